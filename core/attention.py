@@ -1,0 +1,206 @@
+"""The attention contract every platform implements, and the reference it is checked against.
+
+A step's tokens are flattened into one batch: the sequences that are prefilling (one or
+more new tokens, possibly over an already cached context) come first, then the decoding
+sequences (exactly one new token each). Each layer owns one KV-cache tensor whose shape
+and layout the backend declares; the core only moves block ids around.
+
+Slot mapping: ``slot = block_id * block_size + offset``. A negative slot marks a padding
+token: its key/value are never written and its output row is unspecified.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs; the backend is created from it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    """Dtype of query/key/value and of the KV cache."""
+    block_size: int
+    scale: float | None = None
+    """Softmax scale; None means 1/sqrt(head_size)."""
+    sliding_window: int | None = None
+    """Attend only to the last ``sliding_window`` positions (inclusive of self)."""
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_size)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Device-neutral description of one step's batch, built by the model runner.
+
+    Invariant: sequences ``[0, num_prefills)`` are prefills (any number of new tokens,
+    ``context_lens[i]`` of them already cached); sequences after them are decodes (one new
+    token each). Token ``t`` of sequence ``i`` sits at flat row ``query_start_loc[i] + t``
+    and has absolute position ``context_lens[i] + t``.
+    """
+
+    num_prefills: int
+    """Number of prefill sequences (they come first)."""
+    num_prefill_tokens: int
+    """Flat rows belonging to prefills; decode rows follow them."""
+    num_decode_tokens: int
+    """Number of decode sequences (= their rows)."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64 cache slot of each new token; negative = padding, not written."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int32 context length after this step (cached + new tokens)."""
+    context_lens: torch.Tensor
+    """[num_seqs] int32 tokens already in the cache before this step."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int32 cumulative new-token counts (row offsets)."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int32; row i lists sequence i's blocks in order; unused
+    entries are 0 and never read past ``ceil(seq_lens[i] / block_size)``."""
+    max_query_len: int
+    max_seq_len: int
+    seq_lens_host: tuple[int, ...] = ()
+    """``seq_lens`` as Python ints (lets backends avoid a device sync)."""
+    context_lens_host: tuple[int, ...] = ()
+    """``context_lens`` as Python ints."""
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_prefills + self.num_decode_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one layer shape on one platform.
+
+    Subclasses state their KV layout through :meth:`kv_cache_shape`; everything else in the
+    core treats a layer's cache as an opaque tensor of that shape.
+    """
+
+    name: str = "unnamed"
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    # ---- layout -----------------------------------------------------------------
+    @staticmethod
+    @abstractmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (keys and values together).
+
+        :return: a shape whose product is ``2 * num_blocks * block_size * num_kv_heads *
+            head_size``.
+        """
+
+    def allocate_kv_cache(
+        self, num_blocks: int, device: torch.device | str, pin_memory: bool = False
+    ) -> torch.Tensor:
+        """Allocate one layer's cache. Default: zeros of :meth:`kv_cache_shape`."""
+        s = self.spec
+        shape = self.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size)
+        return torch.zeros(shape, dtype=s.dtype, device=device, pin_memory=pin_memory)
+
+    # ---- cache ops ----------------------------------------------------------------
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value`` ([num_tokens, num_kv_heads, head_size]) at their slots.
+
+        Rows whose slot is negative are padding and must not be written.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's keys/values into the cache, then attend.
+
+        :param query: [num_tokens, num_heads, head_size]
+        :param key: [num_tokens, num_kv_heads, head_size]
+        :param value: [num_tokens, num_kv_heads, head_size]
+        :param kv_cache: this layer's cache, shaped by :meth:`kv_cache_shape`
+        :return: [num_tokens, num_heads, head_size]; each token attends causally to its
+            sequence's cached context plus the new tokens up to and including itself
+            (limited to the sliding window when the spec sets one).
+        """
+
+    @staticmethod
+    @abstractmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+        """Copy-on-write: for every layer, copy block ``pairs[i, 0]`` onto ``pairs[i, 1]``.
+
+        :param pairs: [n, 2] int64 (src, dst) block ids; batched, never a per-block loop
+            in Python on devices where that costs a launch per block.
+        """
+
+    @staticmethod
+    @abstractmethod
+    def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        """Copy blocks between two caches of the same layout (device <-> host).
+
+        :param pairs: [n, 2] int64 (src block in ``src``, dst block in ``dst``).
+        """
+
+
+# --------------------------------------------------------------------------------------
+# Reference implementation: written for clarity, used by tests and the conformance suite.
+# It works on *logical* K/V: a per-sequence list of [len, num_kv_heads, head_size].
+# --------------------------------------------------------------------------------------
+
+
+def reference_attention(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    query_lens: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Naive causal attention per sequence, in float64.
+
+    :param query: [num_tokens, num_heads, head_size], sequences concatenated.
+    :param keys: per sequence, all keys of its context including the new tokens
+        ([seq_len, num_kv_heads, head_size]); the last ``query_lens[i]`` rows are the new ones.
+    :return: [num_tokens, num_heads, head_size] in query's dtype.
+    """
+    out = torch.empty_like(query)
+    row = 0
+    for k, v, qlen in zip(keys, values, query_lens):
+        seq_len = k.shape[0]
+        q = query[row : row + qlen].double()  # [q, H, D]
+        group = q.shape[1] // k.shape[1]
+        kk = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
+        vv = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,shd->hqs", q, kk) * scale
+        qpos = torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
+        kpos = torch.arange(seq_len).unsqueeze(0)
+        mask = kpos > qpos
+        if sliding_window is not None:
+            mask |= kpos <= qpos - sliding_window
+        scores = scores.masked_fill(mask.unsqueeze(0), float("-inf"))
+        out[row : row + qlen] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), vv).to(query.dtype)
+        row += qlen
+    return out

@@ -1,0 +1,71 @@
+"""The plugin hooks of ``core``: the whole surface a platform or vendor plugin may implement.
+
+A plugin is a module (or object) registered under the ``core.platforms`` entry-point
+group. It must declare ``CORE_PLUGIN_API`` — a PEP 440 specifier of the plugin API versions
+it supports, e.g. ``">=1.0,<2"`` (see :data:`core.version.PLUGIN_API_VERSION`) — and may
+implement any of the hooks below with ``@core.hookimpl``. Hooks are called with keyword
+arguments; a hookimpl whose name is not listed here is refused at load.
+
+Hooks are grouped by when they are called:
+
+* discovery (once, when the plugin manager loads): ``core_platforms``,
+  ``core_model_architectures``, ``core_attention_backends``;
+* engine construction (once per engine, after a platform is chosen): ``core_op_overrides``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from core.attention import AttentionBackend
+    from core.platform import Platform
+
+hookspec = pluggy.HookspecMarker("core")
+
+
+# ---- discovery ------------------------------------------------------------------------
+@hookspec
+def core_platforms() -> list[type[Platform]]:
+    """Platforms this plugin provides.
+
+    :return: Platform subclasses (not instances). Names must be unique across all loaded
+        plugins; a second plugin claiming a taken name is refused at load.
+    """
+
+
+@hookspec
+def core_model_architectures() -> dict[str, Any]:
+    """Model architectures this plugin adds.
+
+    :return: mapping from an HF ``architectures`` name (e.g. ``"LlamaForCausalLM"``) to a
+        model class following the contract in :mod:`core.models` (constructor
+        ``(hf_config, ctx)``, ``forward``, ``load_weights``). A name already registered by
+        another plugin or by core is refused.
+    """
+
+
+@hookspec
+def core_attention_backends() -> list[tuple[str, str, type[AttentionBackend]]]:
+    """Extra attention backends for existing platforms.
+
+    :return: ``(platform_name, backend_name, backend_class)`` triples. Users select one
+        with ``--attention-backend backend_name``; the platform's default is unchanged.
+    """
+
+
+# ---- engine construction --------------------------------------------------------------
+@hookspec
+def core_op_overrides(platform_name: str) -> dict[str, Any]:
+    """Replace individual ops on one platform.
+
+    Called once per engine with the chosen platform's name. Return ``{}`` for platforms
+    the plugin does not target.
+
+    :param platform_name: the selected platform (e.g. ``"cpu"``).
+    :return: mapping from an op name in :data:`core.ops.DEFAULT_OPS` to a callable with
+        the same signature. Overrides win over the platform's own ops; two plugins
+        overriding the same op is an error.
+    """

@@ -1,0 +1,77 @@
+"""Model registry and the contract a model class follows.
+
+A model class is constructed as ``cls(hf_config, ctx)`` and provides:
+
+* ``forward(input_ids, positions, kv_caches, metadata) -> hidden`` — input_ids/positions
+  [num_tokens]; kv_caches one tensor per attention layer (``num_attention_layers``);
+  returns [num_tokens, hidden_size];
+* ``compute_logits(hidden) -> logits`` — [n, hidden] -> [n, vocab] float32, gathered
+  over tensor-parallel ranks;
+* ``load_weights(weights)`` — consume ``(checkpoint_name, tensor)`` pairs (HF names),
+  sharding on load for tensor parallelism;
+* ``attention_specs()`` — one :class:`~core.attention.AttentionSpec` per layer, in order.
+
+Built-in architectures are listed in ``_BUILTIN``; plugins add more through the
+``core_model_architectures`` hook.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from core.attention import AttentionBackend, AttentionSpec
+from core.distributed import Communicator, SingleRank
+from core.ops import Ops
+
+# HF architecture name -> "module:Class" (imported lazily).
+_BUILTIN: dict[str, str] = {
+    "LlamaForCausalLM": "core.models.llama:LlamaForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """Everything a model needs from the engine besides its HF config."""
+
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    ops: Ops
+    make_attention: Callable[[AttentionSpec], AttentionBackend]
+    """Builds the platform's attention backend for one layer."""
+    comm: Communicator = SingleRank()
+    """Tensor-parallel group; SingleRank when TP is 1."""
+    weight_format: str = "dense"
+
+
+class ModelRegistry:
+    """Architecture name -> model class: built-ins plus what plugins registered."""
+
+    def __init__(self, extra: dict[str, Any] | None = None):
+        extra = extra or {}
+        clash = set(extra) & set(_BUILTIN)
+        if clash:
+            raise ValueError(
+                f"plugin architectures {sorted(clash)} clash with built-in ones; a plugin may "
+                f"only add new architecture names"
+            )
+        self._extra = dict(extra)
+
+    def names(self) -> list[str]:
+        return sorted({*_BUILTIN, *self._extra})
+
+    def resolve(self, architecture: str) -> Any:
+        if architecture in self._extra:
+            return self._extra[architecture]
+        if architecture not in _BUILTIN:
+            raise ValueError(
+                f"model architecture {architecture!r} is not supported; supported: "
+                f"{self.names()}. A plugin can add one through the core_model_architectures hook"
+            )
+        module, cls = _BUILTIN[architecture].split(":")
+        return getattr(importlib.import_module(module), cls)

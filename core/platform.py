@@ -1,0 +1,181 @@
+"""The Platform contract: everything the hardware-agnostic core asks of a device.
+
+A platform plugin returns its :class:`Platform` subclass from the ``core_platforms`` hook.
+Abstract methods must be implemented; the others state their default. The core never
+asks "is this CUDA?": it reads capability flags and calls these methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from core.attention import AttentionBackend, AttentionSpec
+    from core.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """How well a platform fits this host. ``score == 0`` means unusable here."""
+
+    score: int
+    reason: str
+    """Why: the device found, or what is missing (shown by ``core platforms``)."""
+
+
+class Capability:
+    """Capability flags a platform may declare in :attr:`Platform.capabilities`."""
+
+    GRAPH_CAPTURE = "graph_capture"
+    """Decode batches can be captured and replayed (CUDA graphs, HPU graphs, XLA)."""
+    STATIC_SHAPES = "static_shapes"
+    """Inputs must be padded to a bounded set of shapes (XLA/TPU, HPU graphs)."""
+    PINNED_HOST_MEMORY = "pinned_host_memory"
+    """Host buffers can be page-locked for faster swaps."""
+    DEVICE_MEMORY = "device_memory"
+    """The device has its own memory, sized by gpu_memory_utilization."""
+
+
+class Platform(ABC):
+    """One kind of device. Instances are cheap; ``probe`` must have no side effects."""
+
+    name: str = ""
+    """Short unique name used by ``--platform`` (cpu, cuda, rocm, xpu, tpu, hpu, ...)."""
+    device_type: str = ""
+    """torch device type tensors live on ("cpu", "cuda", "xpu", "hpu", "xla", ...)."""
+    dispatch_key: str = ""
+    """torch dispatch key of its ops (CPU, CUDA, XPU, ...)."""
+    capabilities: frozenset[str] = frozenset()
+    """Subset of :class:`Capability` flags."""
+    verification: str = "never run"
+    """Where this platform has really run: 'real hardware', 'emulated on CPU', 'never run'."""
+    device_visibility_env: str | None = None
+    """Env var that restricts a worker process to one device (e.g. CUDA_VISIBLE_DEVICES)."""
+
+    # ---- discovery ------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> ProbeResult:
+        """Score this host without side effects (no device init, no allocation)."""
+
+    # ---- device facts ---------------------------------------------------------------
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of this platform visible to this process."""
+
+    @abstractmethod
+    def memory_info(self, device_index: int = 0) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device's memory."""
+
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Compute dtypes its kernels accept, preferred first."""
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """dtype used for ``--dtype auto``. Default: the checkpoint's if supported, else the
+        first supported dtype."""
+        supported = self.supported_dtypes()
+        return checkpoint_dtype if checkpoint_dtype in supported else supported[0]
+
+    @abstractmethod
+    def supported_block_sizes(self) -> tuple[int, ...]:
+        """KV block sizes (tokens) its attention kernels accept."""
+
+    def preferred_block_size(self) -> int:
+        """Block size used when the user sets none. Default: the first supported one."""
+        return self.supported_block_sizes()[0]
+
+    def device(self, index: int = 0) -> torch.device:
+        """The torch device for ``index``. Default: ``torch.device(device_type, index)``
+        (``cpu`` has no index)."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, index)
+
+    # ---- attention and ops ----------------------------------------------------------
+    @abstractmethod
+    def attention_backend_class(
+        self, spec: AttentionSpec, requested: str | None = None
+    ) -> type[AttentionBackend]:
+        """The attention backend for a layer; ``requested`` names a registered alternative
+        (see the ``core_attention_backends`` hook), None picks the default."""
+
+    def ops(self) -> dict[str, Any]:
+        """Platform kernels overriding entries of :data:`core.ops.DEFAULT_OPS` by name
+        (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding). Default: none."""
+        return {}
+
+    def supported_weight_formats(self) -> tuple[str, ...]:
+        """In-memory linear weight formats (see ModelConfig.weight_format). Default: dense."""
+        return ("dense",)
+
+    # ---- memory planning ------------------------------------------------------------
+    def kv_cache_budget(
+        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
+    ) -> int:
+        """Bytes available for the KV cache.
+
+        Default: ``requested_bytes`` if given, else ``memory_utilization`` of total device
+        memory minus the weights and what is already in use by others.
+        """
+        if requested_bytes is not None:
+            return requested_bytes
+        free, total = self.memory_info()
+        used_by_others = total - free
+        return max(0, int(total * memory_utilization) - used_by_others - weights_bytes)
+
+    # ---- distributed ----------------------------------------------------------------
+    def distributed_backend(self) -> str:
+        """torch.distributed backend for collectives. Default: gloo."""
+        return "gloo"
+
+    # ---- runtime --------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for queued device work. Default: nothing to wait for."""
+
+    def empty_cache(self) -> None:
+        """Release cached allocator memory. Default: nothing."""
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed torch's generators used on this device. Default: ``torch.manual_seed``."""
+        torch.manual_seed(seed)
+
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the current device of this process. Default: nothing."""
+
+    def validate(self, config: EngineConfig) -> EngineConfig:
+        """Check and adjust a config for this device; return a new frozen config (never
+        mutate). Raise ValueError naming the value, the limit and the fix. Default: checks
+        the block size and the dtype against the supported ones."""
+        bs = config.cache.block_size
+        if bs not in self.supported_block_sizes():
+            raise ValueError(
+                f"block size {bs} is not supported by platform {self.name!r}; "
+                f"use --block-size with one of {list(self.supported_block_sizes())}"
+            )
+        names = [str(d).removeprefix("torch.") for d in self.supported_dtypes()]
+        if config.model.dtype not in names:
+            raise ValueError(
+                f"dtype {config.model.dtype} is not supported by platform {self.name!r}; "
+                f"use --dtype with one of {names}"
+            )
+        if config.model.weight_format not in self.supported_weight_formats():
+            raise ValueError(
+                f"weight format {config.model.weight_format!r} is not supported by platform "
+                f"{self.name!r}; use one of {list(self.supported_weight_formats())}"
+            )
+        return config
+
+    def get_extension(self, name: str) -> Any:
+        """Escape hatch for vendor-specific extras. Default: None for every name."""
+        return None
+
+    @staticmethod
+    def replace(config: EngineConfig, **parts: Any) -> EngineConfig:
+        """Helper for ``validate``: a copy of ``config`` with some parts replaced."""
+        return dataclasses.replace(config, **parts)

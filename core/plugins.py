@@ -1,0 +1,231 @@
+"""Plugin loading and platform selection (pluggy, entry-point group ``core.platforms``).
+
+First-party platforms and third-party plugins take the same path: an entry point names a
+module; the module declares ``CORE_PLUGIN_API`` and implements hooks from
+:mod:`core.hookspecs`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from core import hookspecs
+from core.platform import Platform, ProbeResult
+from core.version import PLUGIN_API_VERSION
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "core.platforms"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded, or a platform could not be selected."""
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """One discovered platform and what its probe says about this host."""
+
+    name: str
+    plugin: str
+    cls: type[Platform]
+    probe: ProbeResult
+
+
+def check_api_version(plugin: Any, plugin_name: str) -> None:
+    """Refuse a plugin whose declared ``CORE_PLUGIN_API`` range excludes ours."""
+    declared = getattr(plugin, "CORE_PLUGIN_API", None)
+    if declared is None:
+        raise PluginError(
+            f"plugin {plugin_name!r} does not declare CORE_PLUGIN_API; add e.g. "
+            f'CORE_PLUGIN_API = ">={PLUGIN_API_VERSION},<{Version(PLUGIN_API_VERSION).major + 1}"'
+            f" to its module (core's plugin API is {PLUGIN_API_VERSION})"
+        )
+    try:
+        spec = SpecifierSet(declared)
+    except InvalidSpecifier as e:
+        raise PluginError(
+            f"plugin {plugin_name!r} declares CORE_PLUGIN_API={declared!r}, which is not a "
+            f"PEP 440 specifier such as '>=1.0,<2'"
+        ) from e
+    if Version(PLUGIN_API_VERSION) not in spec:
+        raise PluginError(
+            f"plugin {plugin_name!r} supports core plugin API {declared!r}, but this core "
+            f"provides plugin API {PLUGIN_API_VERSION}; install a version of the plugin built "
+            f"for plugin API {PLUGIN_API_VERSION} (or a core matching {declared!r})"
+        )
+
+
+class Plugins:
+    """The loaded plugins and the registries built from their hooks."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager("core")
+        self.pm.add_hookspecs(hookspecs)
+        self.load_errors: dict[str, str] = {}
+        """Entry points that failed to import: name -> error (shown by ``core platforms``)."""
+
+    # ---- loading ------------------------------------------------------------------------
+    def register(self, plugin: Any, name: str) -> None:
+        """Register a plugin object after checking its API version and hook names."""
+        check_api_version(plugin, name)
+        self.pm.register(plugin, name=name)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            self.pm.unregister(name=name)
+            raise PluginError(f"plugin {name!r} implements an unknown hook: {e}") from e
+
+    def load_entry_points(self, only: tuple[str, ...] = ()) -> None:
+        """Load every ``core.platforms`` entry point (or only the named ones).
+
+        A plugin that fails to import is recorded in :attr:`load_errors` and skipped, so one
+        broken vendor package cannot take the others down; API-version and hook errors
+        are raised, since they mean the installed versions do not fit together.
+        """
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if only and ep.name not in only:
+                continue
+            if self.pm.has_plugin(ep.name):
+                continue
+            try:
+                module = ep.load()
+            except Exception as e:  # a broken plugin must not break the others
+                self.load_errors[ep.name] = f"{type(e).__name__}: {e}"
+                logger.warning("plugin %r failed to import: %s", ep.name, e)
+                continue
+            self.register(module, ep.name)
+
+    # ---- registries -----------------------------------------------------------------------
+    def _collect(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """(plugin name, result) for every implementation of a hook."""
+        hook = getattr(self.pm.hook, hook_name)
+        out = []
+        for impl in hook.get_hookimpls():
+            result = impl.function(**kwargs)
+            if result is not None:
+                out.append((impl.plugin_name, result))
+        return out
+
+    def platforms(self) -> dict[str, tuple[str, type[Platform]]]:
+        """Platform name -> (plugin name, class). Two plugins claiming a name is an error."""
+        found: dict[str, tuple[str, type[Platform]]] = {}
+        for plugin, classes in self._collect("core_platforms"):
+            for cls in classes:
+                if cls.name in found:
+                    raise PluginError(
+                        f"platform name {cls.name!r} is claimed by plugins {found[cls.name][0]!r} "
+                        f"and {plugin!r}; uninstall one of them or disable it with "
+                        f"CORE_PLUGINS=<comma-separated plugin names to load>"
+                    )
+                found[cls.name] = (plugin, cls)
+        return found
+
+    def model_architectures(self) -> dict[str, Any]:
+        """Architecture name -> model class from plugins."""
+        found: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for plugin, archs in self._collect("core_model_architectures"):
+            for arch, cls in archs.items():
+                if arch in found:
+                    raise PluginError(
+                        f"model architecture {arch!r} is registered by plugins "
+                        f"{owner[arch]!r} and {plugin!r}; only one may provide it"
+                    )
+                found[arch], owner[arch] = cls, plugin
+        return found
+
+    def attention_backends(self, platform_name: str) -> dict[str, type]:
+        """Backend name -> class, for the extra backends plugins add to ``platform_name``."""
+        found: dict[str, type] = {}
+        for plugin, triples in self._collect("core_attention_backends"):
+            for pname, bname, cls in triples:
+                if pname != platform_name:
+                    continue
+                if bname in found:
+                    raise PluginError(
+                        f"attention backend {bname!r} for platform {pname!r} is registered "
+                        f"twice (second time by plugin {plugin!r})"
+                    )
+                found[bname] = cls
+        return found
+
+    def op_overrides(self, platform_name: str) -> dict[str, Any]:
+        """Op name -> callable overriding that op on ``platform_name``."""
+        found: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for plugin, ops in self._collect("core_op_overrides", platform_name=platform_name):
+            for op, fn in ops.items():
+                if op in found:
+                    raise PluginError(
+                        f"op {op!r} on platform {platform_name!r} is overridden by both "
+                        f"{owner[op]!r} and {plugin!r}; only one plugin may override an op"
+                    )
+                found[op], owner[op] = fn, plugin
+        return found
+
+    # ---- selection ----------------------------------------------------------------------
+    def discover(self) -> list[PlatformInfo]:
+        """Every platform with its probe result, best score first."""
+        infos = []
+        for name, (plugin, cls) in self.platforms().items():
+            try:
+                probe = cls.probe()
+            except Exception as e:  # a probe must not raise; treat it as unusable
+                probe = ProbeResult(0, f"probe raised {type(e).__name__}: {e}")
+            infos.append(PlatformInfo(name, plugin, cls, probe))
+        return sorted(infos, key=lambda i: (-i.probe.score, i.name))
+
+    def select(self, requested: str | None) -> PlatformInfo:
+        """The platform to run on: ``requested`` if given, else the highest probe score."""
+        infos = self.discover()
+        listing = _listing(infos, self.load_errors)
+        if requested:
+            match = [i for i in infos if i.name == requested]
+            if not match:
+                raise PluginError(
+                    f"unknown platform {requested!r}. Found: {listing}. Install the plugin "
+                    f"that provides it (e.g. pip install 'core[{requested}]') or pick one of "
+                    f"the found names with --platform"
+                )
+            if match[0].probe.score <= 0:
+                raise PluginError(
+                    f"platform {requested!r} is not usable on this host: "
+                    f"{match[0].probe.reason}. Found: {listing}"
+                )
+            return match[0]
+        usable = [i for i in infos if i.probe.score > 0]
+        if not usable:
+            raise PluginError(
+                f"no usable platform found. Found: {listing or 'none'}. Install one, e.g. "
+                f"pip install 'core[cpu]'"
+            )
+        best = [i for i in usable if i.probe.score == usable[0].probe.score]
+        if len(best) > 1:
+            names = ", ".join(i.name for i in best)
+            raise PluginError(
+                f"platforms {names} tie with probe score {best[0].probe.score}; choose one with "
+                f"--platform NAME (or CORE_PLATFORM=NAME)"
+            )
+        return best[0]
+
+
+def _listing(infos: list[PlatformInfo], errors: dict[str, str]) -> str:
+    parts = [f"{i.name} (score {i.probe.score}: {i.probe.reason})" for i in infos]
+    parts += [f"{name} (failed to load: {err})" for name, err in errors.items()]
+    return "; ".join(parts)
+
+
+def load_plugins(no_autoload: bool = False, only: tuple[str, ...] = ()) -> Plugins:
+    """Plugins as configured by the environment (see :mod:`core.envs`)."""
+    plugins = Plugins()
+    if not no_autoload:
+        plugins.load_entry_points(only)
+    return plugins

@@ -1,0 +1,10 @@
+"""Version numbers: the package's, and the plugin API's (see docs/plugins.md)."""
+
+__version__ = "0.1.0"
+
+# The plugin API version. A plugin declares the range it supports as a PEP 440
+# specifier in its module attribute ``CORE_PLUGIN_API`` (e.g. ">=1.0,<2").
+# Compatibility promise: minor bumps only add hooks, optional Platform methods with
+# defaults, or optional AttentionMetadata fields; a major bump may change or remove
+# any of them.
+PLUGIN_API_VERSION = "1.0"
