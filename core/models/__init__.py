@@ -31,6 +31,10 @@ from core.ops import Ops
 # HF architecture name -> "module:Class" (imported lazily).
 _BUILTIN: dict[str, str] = {
     "LlamaForCausalLM": "core.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "core.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "core.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "core.models.qwen3:Qwen3ForCausalLM",
+    "GPT2LMHeadModel": "core.models.gpt2:GPT2LMHeadModel",
 }
 
 

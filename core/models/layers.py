@@ -1,0 +1,457 @@
+"""Parallel-aware building blocks shared by the model files.
+
+Every layer takes the :class:`~core.models.ModelContext` and reads the tensor-parallel
+group from ``ctx.comm``; with one rank the layers are plain layers and no collective runs.
+Sharding follows the usual Megatron split:
+
+* column-parallel linear layers split the *output* features; each rank computes its slice
+  and the result stays sharded (attention heads, MLP intermediate);
+* row-parallel linear layers split the *input* features; the partial products are summed
+  with one ``all_reduce``;
+* the vocabulary is split by rows for the embedding (masked lookup + ``all_reduce``) and the
+  LM head (``all_gather`` of the logit slices).
+
+Loading: each layer has ``load_weight(param_name, tensor, shard=None)`` that takes the full
+checkpoint tensor (usually a memory-mapped view) and copies only this rank's slice into the
+parameter, so a rank never materialises more than its shard on its device.
+Parameters are created on ``ctx.device`` in ``ctx.dtype`` with ``requires_grad=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from core.models import ModelContext
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def _param(ctx: ModelContext, *shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    data = torch.empty(shape, dtype=dtype or ctx.dtype, device=ctx.device)
+    return nn.Parameter(data, requires_grad=False)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy with a shape check whose message names the parameter and both shapes."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"checkpoint tensor for {what} has shape {tuple(src.shape)} but the model expects "
+            f"{tuple(dst.shape)}; the checkpoint does not match config.json"
+        )
+    dst.copy_(src)
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(
+            f"{what} ({total}) is not divisible by the tensor-parallel size ({parts}); "
+            f"choose a --tensor-parallel-size that divides {total}"
+        )
+    return total // parts
+
+
+def _shard(src: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``size`` rows/cols of ``src`` along ``dim`` (a view)."""
+    if src.shape[dim] < (rank + 1) * size:
+        raise ValueError(
+            f"checkpoint tensor for {what} has {src.shape[dim]} entries along dim {dim}; "
+            f"rank {rank} needs [{rank * size}, {(rank + 1) * size})"
+        )
+    return src.narrow(dim, rank * size, size)
+
+
+def load_parameter(model: nn.Module, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+    """Load one checkpoint tensor into the parameter named ``name`` of ``model``.
+
+    Uses the owning module's ``load_weight`` (which shards it for this rank) when it has one,
+    otherwise copies the whole tensor after a shape check.
+    """
+    module_name, _, param_name = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise KeyError(f"the model has no module {module_name!r} (for weight {name!r})") from None
+    loader = getattr(module, "load_weight", None)
+    if loader is not None:
+        loader(param_name, tensor, shard)
+        return
+    param = getattr(module, param_name, None)
+    if not isinstance(param, torch.Tensor):
+        raise KeyError(f"module {module_name!r} has no parameter {param_name!r}")
+    _copy_into(param.data, tensor, name)
+
+
+def load_checkpoint(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Sequence[tuple[str, str, Any]] = (),
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Load HF-named tensors into ``model``.
+
+    :param stacked: ``(checkpoint part, our part, shard id)``: a checkpoint name containing
+        ``checkpoint part`` (e.g. ``".q_proj."``) goes into the fused parameter named with
+        ``our part`` (``".qkv_proj."``) as shard ``shard id``.
+    :param skip: name suffixes to ignore (e.g. a tied ``lm_head.weight``).
+    :raises ValueError: a checkpoint name matches no parameter, or a parameter (or one
+        shard of a fused one) received nothing — a truncated or mismatched checkpoint
+        would otherwise run with uninitialised weights.
+    """
+    params = {name for name, _ in model.named_parameters()}
+    needed = {name: {s for _, ours, s in stacked if ours in name} or {None} for name in params}
+    loaded: dict[str, set] = {name: set() for name in params}
+    for name, tensor in weights:
+        if name.endswith(skip):
+            continue
+        target, shard = name, None
+        for theirs, ours, shard_id in stacked:
+            if theirs in name:
+                target, shard = name.replace(theirs, ours), shard_id
+                break
+        if target not in params:
+            raise ValueError(
+                f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}; "
+                f"is the architecture in config.json right for these weights?"
+            )
+        with torch.no_grad():
+            load_parameter(model, target, tensor, shard)
+        loaded[target].add(shard)
+    missing = sorted(f"{n}{'' if s is None else f'[{s}]'}" for n in params for s in needed[n] - loaded[n])
+    if missing:
+        raise ValueError(
+            f"the checkpoint has no weights for {len(missing)} parameter(s) of "
+            f"{type(model).__name__}, e.g. {missing[:5]}; it is incomplete or does not match "
+            f"config.json"
+        )
+
+
+# ---- linear layers -----------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows split across ranks; output stays sharded.
+
+    :param gather_output: all-gather the output so every rank holds all features.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        ctx: ModelContext,
+        bias: bool = False,
+        gather_output: bool = False,
+    ):
+        super().__init__()
+        self.comm = ctx.comm
+        self.input_size = input_size
+        self.output_size_per_rank = _divide(output_size, ctx.comm.world_size, "output size")
+        self.gather_output = gather_output
+        self.weight = _param(ctx, self.output_size_per_rank, input_size)
+        self.bias = _param(ctx, self.output_size_per_rank) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output and self.comm.world_size > 1:
+            y = self.comm.all_gather(y, dim=-1)
+        return y
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        size, rank = self.output_size_per_rank, self.comm.rank
+        _copy_into(getattr(self, name).data, _shard(tensor, 0, rank, size, name), name)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input stored as one matrix.
+
+    Used for the MLP's gate and up projections: the checkpoint has them as separate
+    tensors, ``shard`` (their index in ``output_sizes``) says where each one goes. On every
+    rank the layout is ``[slice of output 0, slice of output 1, ...]``.
+    """
+
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], ctx: ModelContext, bias: bool = False
+    ):
+        super().__init__(input_size, sum(output_sizes), ctx, bias)
+        tp = ctx.comm.world_size
+        self.sizes_per_rank = [_divide(s, tp, "merged output size") for s in output_sizes]
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        if shard is None or not 0 <= shard < len(self.sizes_per_rank):
+            raise ValueError(
+                f"merged linear weight {name!r} needs a shard index in "
+                f"[0, {len(self.sizes_per_rank)}), got {shard!r}"
+            )
+        size = self.sizes_per_rank[shard]
+        offset = sum(self.sizes_per_rank[:shard])
+        dst = getattr(self, name).data.narrow(0, offset, size)
+        _copy_into(dst, _shard(tensor, 0, self.comm.rank, size, name), f"{name}[{shard}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections as one column-parallel matrix.
+
+    Query heads are split across ranks. Key/value heads are split too when there are at
+    least as many as ranks; otherwise each KV head is replicated on ``tp / num_kv_heads``
+    consecutive ranks (the ranks whose query heads use it). Per-rank output layout:
+    ``[q heads of this rank | k heads | v heads]``, each head ``head_size`` wide.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        ctx: ModelContext,
+        bias: bool = False,
+    ):
+        tp = ctx.comm.world_size
+        self.num_heads = _divide(num_heads, tp, "number of attention heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
+            self.kv_head_start = ctx.comm.rank * self.num_kv_heads
+        else:
+            replicas = _divide(tp, num_kv_heads, "tensor-parallel size over KV heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = ctx.comm.rank // replicas
+        self.head_size = head_size
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_size
+        super().__init__(hidden_size, total * tp, ctx, bias)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        if shard == "q":
+            offset, size, start = 0, self.q_size, self.comm.rank * self.q_size
+        elif shard in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard == "v" else 0)
+            size, start = self.kv_size, self.kv_head_start * self.head_size
+        else:
+            raise ValueError(f"qkv weight {name!r} needs shard 'q', 'k' or 'v', got {shard!r}")
+        if tensor.shape[0] < start + size:
+            raise ValueError(
+                f"checkpoint {shard}_proj {name} has {tensor.shape[0]} rows; rank "
+                f"{self.comm.rank} needs rows [{start}, {start + size}); check num_key_value_heads "
+                f"and head_dim in config.json"
+            )
+        dst = getattr(self, name).data.narrow(0, offset, size)
+        _copy_into(dst, tensor.narrow(0, start, size), f"{shard}_proj.{name}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns split across ranks.
+
+    The input arrives sharded (the output of a column-parallel layer); partial products
+    are summed with one ``all_reduce`` and the bias is added once, after the sum.
+    """
+
+    def __init__(self, input_size: int, output_size: int, ctx: ModelContext, bias: bool = False):
+        super().__init__()
+        self.comm = ctx.comm
+        self.input_size_per_rank = _divide(input_size, ctx.comm.world_size, "input size")
+        self.output_size = output_size
+        self.weight = _param(ctx, output_size, self.input_size_per_rank)
+        self.bias = _param(ctx, output_size) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        if name == "bias":  # the bias is not split: it is added after the reduction
+            _copy_into(self.bias.data, tensor, name)
+            return
+        src = _shard(tensor, 1, self.comm.rank, self.input_size_per_rank, name)
+        _copy_into(self.weight.data, src, name)
+
+
+# ---- vocabulary ----------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split across ranks.
+
+    The vocabulary is padded up to a multiple of the tensor-parallel size; rank ``r`` owns
+    ids ``[r * rows, (r + 1) * rows)`` (padding rows are zero). Each rank looks up the ids it
+    owns, writes zeros for the others, and an ``all_reduce`` assembles the full embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx: ModelContext):
+        super().__init__()
+        self.comm = ctx.comm
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = math.ceil(num_embeddings / ctx.comm.world_size)
+        self.vocab_start = ctx.comm.rank * self.rows_per_rank
+        self.weight = _param(ctx, self.rows_per_rank, embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.masked_fill(~owned, 0), self.weight)
+        out = out.masked_fill(~owned.unsqueeze(-1), 0)
+        return self.comm.all_reduce(out)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        _load_vocab_rows(self, tensor, name)
+
+
+class ParallelLMHead(nn.Module):
+    """Output projection to the vocabulary, split by vocabulary rows like the embedding.
+
+    :param tied: the model's embedding when the checkpoint ties input and output
+        embeddings; its parameter is shared (same sharding), nothing is allocated.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        ctx: ModelContext,
+        tied: VocabParallelEmbedding | None = None,
+    ):
+        super().__init__()
+        self.comm = ctx.comm
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = math.ceil(num_embeddings / ctx.comm.world_size)
+        self.vocab_start = ctx.comm.rank * self.rows_per_rank
+        self.tied = tied is not None
+        self.weight = tied.weight if tied is not None else _param(ctx, self.rows_per_rank, embedding_dim)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 logits, gathered from all ranks."""
+        logits = F.linear(hidden, self.weight)
+        if self.comm.world_size > 1:
+            logits = self.comm.all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings].float()
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        _load_vocab_rows(self, tensor, name)
+
+
+def _load_vocab_rows(layer: VocabParallelEmbedding | ParallelLMHead, tensor, name: str) -> None:
+    """Copy this rank's vocabulary rows; zero the padding rows past the vocabulary."""
+    if tensor.shape[0] != layer.num_embeddings:
+        raise ValueError(
+            f"checkpoint {name} has {tensor.shape[0]} vocabulary rows but vocab_size is "
+            f"{layer.num_embeddings}; the checkpoint does not match config.json"
+        )
+    rows = max(0, min(layer.rows_per_rank, layer.num_embeddings - layer.vocab_start))
+    dst = layer.weight.data
+    _copy_into(dst[:rows], tensor.narrow(0, min(layer.vocab_start, layer.num_embeddings), rows), name)
+    dst[rows:].zero_()
+
+
+# ---- norms and rotary ------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm through ``ctx.ops``; ``forward(x, residual)`` fuses the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float, ctx: ModelContext):
+        super().__init__()
+        self.ops = ctx.ops
+        self.eps = eps
+        self.weight = _param(ctx, hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        _copy_into(self.weight.data, tensor, name)
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings of an HF config as one dict with at least rope_type and rope_theta.
+
+    transformers 5 keeps them in ``rope_parameters``; 4.x in ``rope_theta`` + ``rope_scaling``.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """Per-pair rotation speeds [rotary_dim / 2] in float32 for one RoPE variant."""
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params.get("original_max_position_embeddings", max_position))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(medium, blended, out)
+    raise ValueError(
+        f"rope type {kind!r} is not supported; supported: default, linear, llama3 "
+        f"(from rope_parameters / rope_scaling in config.json)"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary position embedding with a precomputed cos/sin table.
+
+    The table ``cos_sin_cache`` is [max_position, rotary_dim] float32 (cos half, sin half),
+    the layout ``ctx.ops.rotary_embedding`` expects; positions must be < max_position.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        ctx: ModelContext,
+    ):
+        super().__init__()
+        self.ops = ctx.ops
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        inv_freq = _inverse_frequencies(rotary_dim, params, max_position)
+        angles = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, H, D], key [T, KVH, D] -> rotated, same shapes."""
+        return self.ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.rotary_dim)

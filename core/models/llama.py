@@ -1,0 +1,267 @@
+"""Llama (2, 3, 3.1+, SmolLM and other Llama-shaped checkpoints).
+
+Read top to bottom: the config values used, the MLP, attention, the decoder layer, the
+model, the causal-LM head, and beside it the checkpoint-name mapping. Covers grouped-query
+attention, tied embeddings, RoPE (default, linear, llama3 scaling), an explicit
+``head_dim``, and optional q/k/v/o and MLP biases. All linear layers are tensor-parallel
+aware (see :mod:`core.models.layers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.attention import AttentionMetadata, AttentionSpec
+from core.models import ModelContext
+from core.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_checkpoint,
+    rope_parameters,
+)
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The config values this file reads, with their defaults resolved."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: dict[str, Any]
+    rotary_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]
+    """Per layer: attend to the last N positions only, or None (full attention)."""
+
+    @classmethod
+    def from_hf(cls, c: Any) -> LlamaArgs:
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise ValueError(f"Llama with hidden_act {c.hidden_act!r} is not supported (only silu)")
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        rope = rope_parameters(c)
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position=c.max_position_embeddings,
+            rope=rope,
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(c, "attention_bias", False)),
+            o_bias=bool(getattr(c, "attention_bias", False)),
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            sliding_windows=(None,) * c.num_hidden_layers,  # Llama attends to everything
+        )
+
+
+def layer_sliding_windows(c: Any) -> tuple[int | None, ...]:
+    """Per-layer sliding windows as transformers applies them.
+
+    Configs with ``layer_types`` (Qwen2/3) window only their ``"sliding_attention"``
+    layers; otherwise a set ``sliding_window`` applies to every layer (Mistral).
+    ``use_sliding_window=False`` (Qwen, transformers 4.x) switches it off.
+    """
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if window is None or getattr(c, "use_sliding_window", True) is False:
+        return (None,) * n
+    types = getattr(c, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * n
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up are one column-parallel matmul."""
+
+    def __init__(self, a: LlamaArgs, ctx: ModelContext):
+        super().__init__()
+        self.ops = ctx.ops
+        sizes = [a.intermediate_size] * 2
+        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, sizes, ctx, bias=a.mlp_bias)
+        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, ctx, bias=a.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention over the paged KV cache; this rank's share of the heads."""
+
+    def __init__(self, a: LlamaArgs, ctx: ModelContext, rotary_emb: RotaryEmbedding, layer: int):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, ctx, bias=a.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, ctx, bias=a.o_bias)
+        self.rotary_emb = rotary_emb
+        self.spec = AttentionSpec(
+            num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            head_size=a.head_dim,
+            dtype=ctx.dtype,
+            block_size=ctx.block_size,
+            sliding_window=a.sliding_windows[layer],
+        )
+        self.attn = ctx.make_attention(self.spec)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        d = self.spec.head_size
+        q = q.view(-1, self.spec.num_heads, d)  # [T, H, D]
+        k = k.view(-1, self.spec.num_kv_heads, d)  # [T, KVH, D]
+        v = v.view(-1, self.spec.num_kv_heads, d)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, metadata)  # [T, H, D]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried un-normed between layers so each
+    norm can fuse the residual add."""
+
+    def __init__(
+        self,
+        a: LlamaArgs,
+        ctx: ModelContext,
+        rotary_emb: RotaryEmbedding,
+        layer: int,
+        attention_cls: type[nn.Module],
+    ):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
+        self.self_attn = attention_cls(a, ctx, rotary_emb, layer)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
+        self.mlp = LlamaMLP(a, ctx)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: LlamaArgs, ctx: ModelContext, attention_cls: type[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ctx)
+        # One cos/sin table shared by every layer (it is [max_position, rotary_dim] floats).
+        rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.max_position, a.rope, ctx)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(a, ctx, rotary, i, attention_cls) for i in range(a.num_layers)
+        )
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The registry entry for ``LlamaForCausalLM`` (see :mod:`core.models` for the contract).
+
+    Llama-shaped families reuse it: ``args`` replaces the values read from ``hf_config``
+    (biases, sliding windows) and ``attention_cls`` the attention block (Qwen3's q/k norm).
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        ctx: ModelContext,
+        args: LlamaArgs | None = None,
+        attention_cls: type[nn.Module] | None = None,
+    ):
+        super().__init__()
+        self.args = args if args is not None else LlamaArgs.from_hf(hf_config)
+        self.model = LlamaModel(self.args, ctx, attention_cls or LlamaAttention)
+        tied = self.model.embed_tokens if self.args.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size, ctx, tied=tied)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32 (all ranks' vocabulary slices)."""
+        return self.lm_head(hidden)
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        return [layer.self_attn.spec for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_checkpoint(self, weights, STACKED_PARAMS, skip=_skipped(self.args))
+
+
+# ---- checkpoint names ------------------------------------------------------------------------
+
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    # (checkpoint module name, our fused module name, shard id inside the fused module)
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+def _skipped(a: LlamaArgs) -> tuple[str, ...]:
+    # Old checkpoints store the rotary table; tied ones sometimes repeat the embedding.
+    return ("rotary_emb.inv_freq",) + (("lm_head.weight",) if a.tie_word_embeddings else ())
