@@ -1,0 +1,158 @@
+"""The HPU (Intel Gaudi) platform.
+
+Two modes, decided per instance from what is installed:
+
+* **Gaudi**: ``habana_frameworks`` is importable. Tensors live on ``torch.device("hpu")``;
+  device facts come from ``habana_frameworks.torch.hpu``. This mode has never run on a
+  Gaudi (none was available), so :attr:`verification` says "never run".
+* **CPU emulation**: ``habana_frameworks`` is absent. The same attention and cache ops run
+  on CPU tensors, which is how the conformance suite verifies them here. The probe scores
+  this mode 0 (never selected) unless the user opts in with ``CORE_HPU_EMULATE=1``, in
+  which case it scores 1 — equal to the CPU platform, so automatic selection refuses the
+  tie and the user must name it (``--platform hpu`` / ``--core-platform=hpu``).
+
+``habana_frameworks`` is only looked up with ``importlib.util.find_spec`` (which does not
+import it) in :meth:`probe`, and only imported inside methods of a Gaudi-mode instance.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from core.attention import AttentionBackend, AttentionSpec
+from core.config import GiB
+from core.platform import Capability, Platform, ProbeResult
+from platforms.hpu.attention import HpuAttentionBackend
+
+EMULATE_ENV = "CORE_HPU_EMULATE"
+"""Set to 1 to make the HPU platform selectable on a host without Gaudi: its ops then run
+on CPU tensors (for verification; slower than the CPU platform)."""
+
+EMULATED_KV_CACHE_BYTES = 2 * GiB
+"""KV budget of the emulation when --kv-cache-memory is not given (capped at a quarter of
+available RAM): host RAM is shared with everything else, unlike a Gaudi's HBM."""
+
+
+def emulation_requested(environ: dict[str, str] | None = None) -> bool:
+    """Whether the user opted into CPU emulation (``CORE_HPU_EMULATE``; read only here)."""
+    e = os.environ if environ is None else environ
+    return e.get(EMULATE_ENV, "") not in ("", "0", "false", "False")
+
+
+def habana_installed() -> bool:
+    """``habana_frameworks`` can be imported (looked up without importing it)."""
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def _hpu_module() -> ModuleType:
+    """``habana_frameworks.torch.hpu`` (importing it registers the ``hpu`` torch device)."""
+    importlib.import_module("habana_frameworks.torch.core")
+    return importlib.import_module("habana_frameworks.torch.hpu")
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host RAM."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+class HpuPlatform(Platform):
+    name = "hpu"
+    device_type = "hpu"
+    """"hpu" with habana_frameworks; an emulating instance sets "cpu" (see __init__)."""
+    dispatch_key = "HPU"
+    capabilities = frozenset({Capability.GRAPH_CAPTURE, Capability.STATIC_SHAPES})
+    verification = "never run"
+    device_visibility_env = "HABANA_VISIBLE_DEVICES"
+
+    def __init__(self) -> None:
+        self.emulated = not habana_installed()
+        if self.emulated:
+            self.device_type = "cpu"
+            self.dispatch_key = "CPU"
+            self.verification = "emulated on CPU"
+        else:
+            _hpu_module()  # registers the "hpu" device with torch before any allocation
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        if habana_installed():
+            nodes = glob.glob("/dev/accel/accel[0-9]*")
+            if nodes:
+                return ProbeResult(100, f"habana_frameworks installed, {len(nodes)} Gaudi device(s)")
+            return ProbeResult(0, "habana_frameworks installed but no Gaudi device under /dev/accel")
+        if emulation_requested():
+            return ProbeResult(
+                1, f"habana_frameworks not installed; emulating on CPU ({EMULATE_ENV}=1)"
+            )
+        return ProbeResult(
+            0,
+            f"habana_frameworks not installed (set {EMULATE_ENV}=1 to run the HPU ops on CPU "
+            f"tensors, for verification only)",
+        )
+
+    # ---- device facts ---------------------------------------------------------------
+    def device_count(self) -> int:
+        return 1 if self.emulated else int(_hpu_module().device_count())
+
+    def memory_info(self, device_index: int = 0) -> tuple[int, int]:
+        if self.emulated:
+            return _host_memory()
+        stats = _hpu_module().memory_stats(device_index)
+        total = int(stats["Limit"])
+        return total - int(stats["InUse"]), total
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        # bf16 is Gaudi's native compute type; fp32 is exact against the reference.
+        return (torch.bfloat16, torch.float32)
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.emulated else torch.bfloat16
+
+    def supported_block_sizes(self) -> tuple[int, ...]:
+        # 128 fills Gaudi's matrix engine (first = preferred). The ops are gathers and
+        # matmuls with no block-size-specific code, so 16 works as well and keeps caches
+        # for short test sequences small.
+        return (128, 16)
+
+    # ---- attention ------------------------------------------------------------------
+    def attention_backend_class(
+        self, spec: AttentionSpec, requested: str | None = None
+    ) -> type[AttentionBackend]:
+        if requested not in (None, HpuAttentionBackend.name):
+            raise ValueError(
+                f"attention backend {requested!r} is not built into platform 'hpu' (it has "
+                f"{HpuAttentionBackend.name!r}); a plugin can add one via core_attention_backends"
+            )
+        return HpuAttentionBackend
+
+    def kv_cache_budget(
+        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
+    ) -> int:
+        if requested_bytes is not None or not self.emulated:
+            return super().kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
+        available, _ = _host_memory()
+        return min(EMULATED_KV_CACHE_BYTES, available // 4)
+
+    # ---- distributed and runtime ----------------------------------------------------------
+    def distributed_backend(self) -> str:
+        return "hccl"
+
+    def synchronize(self) -> None:
+        if not self.emulated:
+            _hpu_module().synchronize()
+
+    def set_device(self, index: int) -> None:
+        if not self.emulated:
+            _hpu_module().set_device(index)
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        if not self.emulated:
+            _hpu_module().random.manual_seed(seed)

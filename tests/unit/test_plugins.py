@@ -1,0 +1,145 @@
+"""Plugin loading, API-version checks and platform selection (core/plugins.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import core
+from core.platform import Platform, ProbeResult
+from core.plugins import PluginError, Plugins, load_plugins
+from core.version import PLUGIN_API_VERSION
+
+
+def _platform(name: str, score: int) -> type[Platform]:
+    class P(Platform):
+        @classmethod
+        def probe(cls):
+            return ProbeResult(score, f"{name} test device")
+
+        def device_count(self):
+            return 1
+
+        def memory_info(self, device_index=0):
+            return (1, 2)
+
+        def supported_dtypes(self):
+            return (torch.float32,)
+
+        def supported_block_sizes(self):
+            return (16,)
+
+        def attention_backend_class(self, spec, requested=None):
+            raise AssertionError("not used here")
+
+    P.name = name
+    return P
+
+
+def _plugin(api: str | None, *platforms: type[Platform], **hooks) -> types.SimpleNamespace:
+    ns = types.SimpleNamespace(**hooks)
+    if api is not None:
+        ns.CORE_PLUGIN_API = api
+
+    @core.hookimpl
+    def core_platforms():
+        return list(platforms)
+
+    ns.core_platforms = core_platforms
+    return ns
+
+
+def test_cpu_is_discovered_through_the_entry_point():
+    plugins = load_plugins()
+    found = plugins.platforms()
+    assert "cpu" in found
+    plugin_name, cls = found["cpu"]
+    assert plugin_name == "cpu" and cls.__module__ == "platforms.cpu.platform"
+    assert plugins.select(None).name in found
+
+
+def test_autoload_off_loads_nothing():
+    assert load_plugins(no_autoload=True).platforms() == {}
+
+
+def test_highest_probe_wins_and_explicit_choice_overrides():
+    p = Plugins()
+    p.register(_plugin(">=1.0,<2", _platform("low", 1), _platform("high", 5)), "vendor")
+    assert p.select(None).name == "high"
+    assert p.select("low").name == "low"
+
+
+def test_unknown_platform_lists_what_was_found():
+    p = Plugins()
+    p.register(_plugin(">=1.0,<2", _platform("a", 1)), "vendor")
+    with pytest.raises(PluginError, match=r"unknown platform 'nope'.*a \(score 1"):
+        p.select("nope")
+
+
+def test_unusable_requested_platform_is_refused_with_its_reason():
+    p = Plugins()
+    p.register(_plugin(">=1.0,<2", _platform("dead", 0), _platform("ok", 1)), "vendor")
+    with pytest.raises(PluginError, match="not usable on this host: dead test device"):
+        p.select("dead")
+    assert p.select(None).name == "ok"
+
+
+def test_equal_scores_are_an_error_not_a_silent_pick():
+    p = Plugins()
+    p.register(_plugin(">=1.0,<2", _platform("x", 3)), "one")
+    p.register(_plugin(">=1.0,<2", _platform("y", 3)), "two")
+    with pytest.raises(PluginError, match="tie with probe score 3.*--platform"):
+        p.select(None)
+
+
+def test_two_plugins_claiming_one_name_are_refused():
+    p = Plugins()
+    p.register(_plugin(">=1.0,<2", _platform("dup", 1)), "one")
+    p.register(_plugin(">=1.0,<2", _platform("dup", 2)), "two")
+    with pytest.raises(PluginError, match="'dup' is claimed by plugins 'one' and 'two'"):
+        p.platforms()
+
+
+@pytest.mark.parametrize("api", [">=2.0", "<1.0", ">=0.1,<1"])
+def test_incompatible_api_version_is_refused_naming_both(api):
+    with pytest.raises(PluginError) as e:
+        Plugins().register(_plugin(api, _platform("v", 1)), "old")
+    assert api in str(e.value) and PLUGIN_API_VERSION in str(e.value)
+
+
+def test_missing_api_declaration_is_refused():
+    with pytest.raises(PluginError, match="does not declare CORE_PLUGIN_API"):
+        Plugins().register(_plugin(None, _platform("v", 1)), "anon")
+
+
+def test_unknown_hook_is_refused_at_load():
+    plugin = _plugin(">=1.0,<2", _platform("v", 1))
+
+    @core.hookimpl
+    def core_make_coffee():
+        return "espresso"
+
+    plugin.core_make_coffee = core_make_coffee
+    p = Plugins()
+    with pytest.raises(PluginError, match="unknown hook"):
+        p.register(plugin, "odd")
+    assert not p.pm.has_plugin("odd")
+
+
+def test_op_override_conflict_is_an_error():
+    def ov(platform_name):
+        return {"rms_norm": lambda *a: None} if platform_name == "cpu" else {}
+
+    p = Plugins()
+    p.register(_plugin(">=1.0,<2", core_op_overrides=core.hookimpl(ov)), "a")
+    assert set(p.op_overrides("cpu")) == {"rms_norm"} and p.op_overrides("cuda") == {}
+    p.register(
+        _plugin(
+            ">=1.0,<2", core_op_overrides=core.hookimpl(lambda platform_name: ov(platform_name))
+        ),
+        "b",
+    )
+    with pytest.raises(PluginError, match="overridden by both"):
+        p.op_overrides("cpu")
