@@ -33,6 +33,8 @@ class ModelConfig:
     seed: int = 0
     gguf_file: str | None = None
     """Set when ``model`` is a GGUF file (tokenizer and chat template come from it)."""
+    cache_dir: str | None = None
+    """Where files derived from the model (a GGUF's config/tokenizer) are cached."""
     weight_format: str = "dense"
     """How linear weights are kept in memory: dense (in ``dtype``) or a platform
     supported quantized form (see the platform's ``supported_weight_formats``)."""

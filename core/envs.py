@@ -22,6 +22,9 @@ class Env:
     """CORE_LOG_LEVEL: logging level of the ``core`` logger (default INFO)."""
     num_threads: int | None
     """CORE_NUM_THREADS: torch intra-op threads on the CPU platform."""
+    cache_dir: str | None
+    """CORE_CACHE_DIR: where derived files (e.g. a GGUF's config and tokenizer) are kept;
+    default ~/.cache/core; set to an empty string to disable caching."""
 
 
 def read(environ: dict[str, str] | None = None) -> Env:
@@ -34,4 +37,12 @@ def read(environ: dict[str, str] | None = None) -> Env:
         plugins=plugins,
         log_level=e.get("CORE_LOG_LEVEL", "INFO"),
         num_threads=int(threads) if threads else None,
+        cache_dir=_cache_dir(e),
     )
+
+
+def _cache_dir(e) -> str | None:
+    if "CORE_CACHE_DIR" in e:
+        return e["CORE_CACHE_DIR"] or None
+    base = e.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "core")

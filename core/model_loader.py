@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from core.config import ModelConfig
+from core.gguf_file import GGUFIndex, load_gguf_config
 from core.models import ModelContext, ModelRegistry
 from core.models.layers import RMSNorm
 
@@ -61,10 +62,11 @@ def default_model_path() -> str:
     )
 
 
-def load_config(model: str) -> tuple[str, Any, str | None, str]:
+def load_config(model: str, cache_dir: str | None = None) -> tuple[str, Any, str | None, str]:
     """Read a model's HF config without loading weights.
 
     :param model: an HF model directory (with config.json) or a ``.gguf`` file.
+    :param cache_dir: where to keep the config derived from a GGUF file (None: no cache).
     :return: ``(architecture, hf_config, gguf_file, tokenizer_path)``: the HF architecture
         name (model registry key); the ``transformers`` config; the absolute GGUF path or
         None; the directory to load the tokenizer from.
@@ -73,7 +75,7 @@ def load_config(model: str) -> tuple[str, Any, str | None, str]:
 
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
-        hf_config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=path)
+        hf_config = load_gguf_config(path, cache_dir)
         return _architecture(hf_config, path), hf_config, path, os.path.dirname(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
@@ -221,23 +223,20 @@ def undo_rope_permutation(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     import numpy as np
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    index = GGUFIndex(path)
+    arch = index.metadata.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
             f"GGUF architecture {arch!r} in {path} is not supported; supported: {list(_GGUF_ARCHS)}"
         )
     heads = {"q_proj": hf_config.num_attention_heads}
     heads["k_proj"] = getattr(hf_config, "num_key_value_heads", None) or heads["q_proj"]
-    for t in reader.tensors:
+    for t, array in index.iter_tensors():
         name = gguf_to_hf_name(t.name)
         if name is None:
             logger.warning("ignoring GGUF tensor %s (no counterpart in the HF model)", t.name)
             continue
-        array = dequantize(t.data, t.tensor_type)
         tensor = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
         proj = name.rsplit(".", 2)[-2]
         if arch in _GGUF_PERMUTED_ARCHS and proj in heads:

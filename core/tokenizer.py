@@ -7,12 +7,13 @@ import os
 from typing import Any
 
 
-def load_tokenizer(tokenizer_path: str, gguf_file: str | None = None) -> Any:
+def load_tokenizer(tokenizer_path: str, gguf_file: str | None = None, cache_dir: str | None = None) -> Any:
     """Load a fast HF tokenizer from a local directory, or from a GGUF file's metadata.
 
     :param tokenizer_path: directory with tokenizer files (for GGUF: the file's directory).
     :param gguf_file: the GGUF file (absolute, or relative to ``tokenizer_path``); its
         vocabulary, merges, special tokens and chat template are used.
+    :param cache_dir: where to keep the tokenizer derived from a GGUF file (None: no cache).
     """
     from transformers import AutoTokenizer
 
@@ -22,7 +23,10 @@ def load_tokenizer(tokenizer_path: str, gguf_file: str | None = None) -> Any:
             f"with tokenizer files to --tokenizer"
         )
     if gguf_file is not None:
-        return AutoTokenizer.from_pretrained(tokenizer_path, gguf_file=gguf_file)
+        from core.gguf_file import load_gguf_tokenizer
+
+        path = gguf_file if os.path.isabs(gguf_file) else os.path.join(tokenizer_path, gguf_file)
+        return load_gguf_tokenizer(path, cache_dir)
     return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
 
 

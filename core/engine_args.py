@@ -1,0 +1,100 @@
+"""User-facing engine arguments (one flat dataclass mirroring the CLI flags)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+
+from core.config import GiB
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": GiB, "t": 1 << 40}
+
+
+def parse_size(text: str | int | float | None) -> int | None:
+    """'4GiB', '512M', '1.5G' or a plain number of bytes -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    if isinstance(text, float):
+        return int(text)
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 4GiB, 512MiB or 1073741824")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set when starting an engine. ``None`` means "decide for me"."""
+
+    model: str | None = None
+    """HF model directory or .gguf file; None = the embedded SmolLM2-135M-Instruct."""
+    tokenizer: str | None = None
+    platform: str | None = None
+    """Platform name; None = CORE_PLATFORM or the best probe score."""
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int | None = None
+    kv_cache_memory: int | str | None = None
+    """Bytes (or '4GiB') of KV cache; None = the platform's default budget."""
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 0.0
+    """GiB of host memory for swapped-out KV blocks."""
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    watermark_blocks: int = 0
+    max_num_partial_prefills: int = 1
+    tensor_parallel_size: int = 1
+    executor: str = "auto"
+    load_format: str = "auto"
+    weight_format: str = "dense"
+    seed: int = 0
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    max_waiting_requests: int | None = None
+    disable_log_stats: bool = False
+    log_prompts: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+        g.add_argument("--tokenizer", default=None)
+        g.add_argument("--platform", default=None, help="platform name (see `core platforms`)")
+        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=None)
+        g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host swap for KV blocks")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--num-blocks-override", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+        g.add_argument("--watermark-blocks", type=int, default=0)
+        g.add_argument("--max-num-partial-prefills", type=int, default=1)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        g.add_argument("--executor", default="auto", choices=["auto", "uni", "mp", "ray"])
+        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "pt", "dummy"])
+        g.add_argument("--weight-format", default="dense", help="in-memory weight format (platform specific)")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--attention-backend", default=None)
+        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--max-waiting-requests", type=int, default=None)
+        g.add_argument("--disable-log-stats", action="store_true")
+        g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,68 @@
+"""Where the model runs: behind one small interface so the engine never changes when
+execution spreads over processes or hosts.
+
+``UniExecutor`` runs the model in this process (tensor-parallel size 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+from core.config import GiB
+from core.kv_plan import KVPlan, plan_kv_cache
+from core.model_runner import ModelRunner, ModelRunnerOutput, RunnerSetup
+from core.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(ABC):
+    """Runs scheduled steps on one or more workers; rank 0's sampled tokens come back."""
+
+    @abstractmethod
+    def initialize(self) -> KVPlan:
+        """Load the model on every worker, size the KV cache, allocate it; return the plan."""
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all workers."""
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if a worker has died. Default: in-process, always healthy."""
+
+    def shutdown(self) -> None:
+        """Stop workers and free resources. Default: nothing to stop."""
+
+
+def initialize_runner(runner: ModelRunner) -> KVPlan:
+    """Load weights, size the KV cache from the platform's budget, allocate it."""
+    cfg = runner.config
+    weights = runner.load_model()
+    budget = runner.platform.kv_cache_budget(
+        cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, weights
+    )
+    plan = plan_kv_cache(
+        budget_bytes=budget,
+        bytes_per_block=runner.kv_bytes_per_block(),
+        block_size=cfg.cache.block_size,
+        max_model_len=cfg.model.max_model_len,
+        swap_bytes=int(cfg.cache.swap_space * GiB),
+        num_blocks_override=cfg.cache.num_blocks_override,
+    )
+    runner.allocate_kv_cache(plan.num_blocks, plan.num_host_blocks)
+    logger.info("weights: %.1f MiB; %s", weights / (1 << 20), plan.describe())
+    return plan
+
+
+class UniExecutor(Executor):
+    """The model in this process, on one device."""
+
+    def __init__(self, setup: RunnerSetup, eos_token_ids: frozenset[int]):
+        self.runner = ModelRunner(setup, eos_token_ids)
+
+    def initialize(self) -> KVPlan:
+        return initialize_runner(self.runner)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)

@@ -1,0 +1,72 @@
+"""Sizing the KV cache: from a byte budget to a number of blocks, with errors that say why."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.config import GiB
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    block_size: int
+    bytes_per_block: int
+    """All layers, keys and values, for one block of block_size tokens."""
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_max_len_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def max_concurrent_at_max_len(self) -> int:
+        return (self.num_blocks - 1) // self.blocks_per_max_len_seq  # minus the null block
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens "
+            f"({format_bytes(self.num_blocks * self.bytes_per_block)}, "
+            f"{format_bytes(self.bytes_per_block)} per block); holds {self.max_concurrent_at_max_len} sequence(s) of max_model_len "
+            f"{self.max_model_len}; host swap pool {self.num_host_blocks} blocks"
+        )
+
+
+def plan_kv_cache(
+    budget_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    swap_bytes: int = 0,
+    num_blocks_override: int | None = None,
+) -> KVPlan:
+    """Blocks that fit ``budget_bytes``; refuse if one max_model_len sequence cannot fit."""
+    num_blocks = num_blocks_override if num_blocks_override is not None else budget_bytes // bytes_per_block
+    plan = KVPlan(block_size, bytes_per_block, num_blocks, swap_bytes // bytes_per_block, max_model_len)
+    need = plan.blocks_per_max_len_seq + 1  # block 0 is the reserved null block
+    if num_blocks < need:
+        need_bytes = need * bytes_per_block
+        fits = max(0, num_blocks - 1) * block_size
+        lower = f"Lower --max-model-len to at most {fits}" if fits else "The budget holds no sequence at all"
+        raise ValueError(
+            f"max_model_len {max_model_len} needs {need - 1} blocks of {block_size} tokens (plus "
+            f"1 reserved block; {format_bytes(bytes_per_block)} per block, {format_bytes(need_bytes)} "
+            f"in all); the KV budget of {format_bytes(budget_bytes)} holds {num_blocks} blocks. "
+            f"{lower} or raise --kv-cache-memory (or --gpu-memory-utilization) to at least "
+            f"{format_bytes(need_bytes)}"
+        )
+    return plan
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable size with enough precision to be useful for small test caches."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"

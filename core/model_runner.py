@@ -1,0 +1,231 @@
+"""Turns a schedule into tensors, runs the model, and samples.
+
+The runner owns the model, the KV caches (device, plus a host pool for swapping) and the
+sampler. It is the only place where the schedule meets the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.config import EngineConfig
+from core.distributed import Communicator, SingleRank
+from core.model_loader import load_model
+from core.models import ModelContext, ModelRegistry
+from core.ops import Ops
+from core.outputs import Logprob
+from core.platform import Platform
+from core.sampler import Sampler, prompt_logprobs
+from core.scheduler import ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, Logprob] | None
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one step produced, keyed by seq id."""
+
+    sampled: dict[int, SampledToken]
+    """Only sequences scheduled with ``sample=True``."""
+    prompt_logprobs: dict[int, list[dict[int, Logprob]]]
+    """For sequences that asked for prompt logprobs: one entry per prompt position
+    computed this step whose next token is a prompt token (position p gives the
+    logprobs of prompt token p + 1)."""
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    """The pieces a runner is built from (chosen by the engine/executor)."""
+
+    config: EngineConfig
+    platform: Platform
+    ops: Ops
+    registry: ModelRegistry
+    attention_backend_cls: type[AttentionBackend] | None = None
+    """A plugin-provided backend class, or None for the platform's choice."""
+    comm: Communicator = SingleRank()
+    device_index: int = 0
+
+
+class ModelRunner:
+    def __init__(self, setup: RunnerSetup, eos_token_ids: frozenset[int]):
+        self.setup = setup
+        self.config = setup.config
+        self.platform = setup.platform
+        self.device = setup.platform.device(setup.device_index)
+        self.dtype = torch_dtype(self.config.model.dtype)
+        self.block_size = self.config.cache.block_size
+        self.sampler = Sampler(eos_token_ids)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []
+        self._backends: list[AttentionBackend] = []
+
+    # ---- setup --------------------------------------------------------------------------
+    def _make_attention(self, spec: AttentionSpec) -> AttentionBackend:
+        cls = self.setup.attention_backend_cls or self.platform.attention_backend_class(
+            spec, self.config.attention_backend
+        )
+        backend = cls(spec)
+        self._backends.append(backend)
+        return backend
+
+    def load_model(self) -> int:
+        """Load weights onto the device; returns the bytes the weights occupy."""
+        ctx = ModelContext(
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            ops=self.setup.ops,
+            make_attention=self._make_attention,
+            comm=self.setup.comm,
+            weight_format=self.config.model.weight_format,
+        )
+        self.model = load_model(self.config.model, ctx, self.setup.registry)
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
+            b.numel() * b.element_size() for b in self.model.buffers()
+        )
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block of every layer's cache takes (keys and values)."""
+        total = 0
+        for spec in self.model.attention_specs():
+            total += 2 * spec.num_kv_heads * spec.head_size * self.block_size * spec.dtype.itemsize
+        return total
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        pin = self.platform.device_type != "cpu"
+        self.kv_caches = [b.allocate_kv_cache(num_blocks, self.device) for b in self._backends]
+        self.host_caches = [
+            b.allocate_kv_cache(num_host_blocks, "cpu", pin_memory=pin)
+            for b in self._backends
+            if num_host_blocks > 0
+        ]
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._move_blocks(sched)
+        if not sched.scheduled:
+            return ModelRunnerOutput({}, {})
+        input_ids, positions, md = self.prepare_inputs(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, md)
+        return self._sample(sched, hidden, md)
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        backend = self._backends[0] if self._backends else None
+        if backend is None:
+            return
+        if sched.blocks_to_swap_out:
+            pairs = torch.tensor(sched.blocks_to_swap_out, dtype=torch.int64)
+            for dev, host in zip(self.kv_caches, self.host_caches):
+                backend.swap_blocks(dev, host, pairs)
+        if sched.blocks_to_swap_in:
+            pairs = torch.tensor(sched.blocks_to_swap_in, dtype=torch.int64)
+            for dev, host in zip(self.kv_caches, self.host_caches):
+                backend.swap_blocks(host, dev, pairs)
+        if sched.blocks_to_copy:
+            pairs = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
+            backend.copy_blocks(self.kv_caches, pairs)
+
+    def prepare_inputs(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the schedule into input ids, positions and attention metadata."""
+        seqs = sched.scheduled
+        bs = self.block_size
+        qlens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        input_ids = np.fromiter(
+            (t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(qsl[-1])
+        )
+        # position of every flat token = its sequence's start + offset within the chunk
+        seq_of_token = np.repeat(np.arange(len(seqs)), qlens)
+        positions = starts[seq_of_token] + (np.arange(int(qsl[-1])) - qsl[seq_of_token])
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        seq_lens = starts + qlens
+        dev = self.device
+        md = AttentionMetadata(
+            num_prefills=sched.num_prefills,
+            num_prefill_tokens=int(qsl[sched.num_prefills]),
+            num_decode_tokens=len(seqs) - sched.num_prefills,
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            context_lens=torch.from_numpy(starts.astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            max_query_len=int(qlens.max()),
+            max_seq_len=int(seq_lens.max()),
+            seq_lens_host=tuple(seq_lens.tolist()),
+            context_lens_host=tuple(starts.tolist()),
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md
+
+    def _sample(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, md: AttentionMetadata
+    ) -> ModelRunnerOutput:
+        qsl = md.query_start_loc.tolist()
+        rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
+        if not rows:
+            return ModelRunnerOutput({}, prompt_lp)
+        last = torch.tensor([qsl[i + 1] - 1 for i in rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        if self.setup.comm.rank != 0:
+            return ModelRunnerOutput({}, {})
+        scheduled = [sched.scheduled[i] for i in rows]
+        out = self.sampler(logits, scheduled)
+        sampled = {
+            s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
+            for j, s in enumerate(scheduled)
+        }
+        return ModelRunnerOutput(sampled, prompt_lp)
+
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]
+    ) -> dict[int, list[dict[int, Logprob]]]:
+        result: dict[int, list[dict[int, Logprob]]] = {}
+        for i, s in enumerate(sched.scheduled):
+            if s.params.prompt_logprobs is None or not s.prompt_token_ids:
+                continue
+            nxt = _next_prompt_tokens(s)
+            if not nxt:
+                continue
+            h = hidden[qsl[i] : qsl[i] + len(nxt)]
+            logits = self.model.compute_logits(h)
+            if self.setup.comm.rank == 0:
+                ids = torch.tensor(nxt, device=logits.device)
+                result[s.seq_id] = prompt_logprobs(logits, ids, s.params.prompt_logprobs)
+        return result
+
+
+def _next_prompt_tokens(s: ScheduledSequence) -> list[int]:
+    """Prompt tokens that follow each computed position of this chunk (within the prompt)."""
+    p = len(s.prompt_token_ids)
+    first = s.start_pos + 1
+    last = min(s.start_pos + len(s.token_ids), p - 1)
+    return list(s.prompt_token_ids[first : last + 1]) if first <= last else []
