@@ -65,6 +65,10 @@ class OutputProcessor:
     # ---- the step ---------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        for rid in sched.aborted:  # the scheduler gave up: the request can never fit
+            state = self._reqs.get(rid)
+            if state is not None:
+                outputs.append(self._finish_request(state))
         now = time.monotonic()
         touched: dict[str, _ReqState] = {}
         for s in sched.scheduled:

@@ -1,13 +1,39 @@
 """Continuous-batching scheduler: which sequences run this step, and how many tokens each.
 
 (The Scheduler class is below the output types.)
+
+One step, in importance order (FCFS: arrival; priority: lower value, then arrival):
+
+* every running sequence gets its next tokens: a decode (one token) or a prefill chunk.
+  Decodes are served first from the token budget: a prefill chunk may only use what is
+  left after every running decode got its token;
+* a swapped sequence is brought back, a waiting one admitted (prefix-cache hits count as
+  computed), while blocks, the token budget, ``max_num_seqs`` and, for new prefills, the
+  ``watermark_blocks`` reserve allow. Once one cannot be admitted, later ones wait too,
+  except that a prompt refused only because ``max_num_partial_prefills`` prompts are
+  already mid-prefill is skipped over;
+* when blocks run short, the least important running sequence behind the current one is
+  preempted (recompute: blocks freed, ``num_computed_tokens`` reset; swap: blocks moved to
+  the host pool, recompute when the pool is full); if there is none, the current one is.
+  Waiting/swapped sequences preempt running ones (for blocks, not for ``max_num_seqs``
+  slots) only under the priority policy and only those of strictly lower priority.
+
+Because the order is total and fixed, a sequence is never preempted by a less important
+one, so preemption cannot ping-pong and the most important sequence always progresses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from core.block_manager import BlockManager, blocks_for
+from core.config import SchedulerConfig
+from core.request import Request, Sequence, SequenceStatus
 from core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +57,9 @@ class ScheduledSequence:
     """Set when the sampler needs history (penalties) or prompt logprobs are asked for."""
     output_token_ids: tuple[int, ...] = ()
     """Set when the sampler needs history (penalties)."""
+    blocks_needed: int = 0
+    """Further KV blocks this sequence may still need to reach its maximum length
+    (prompt + max_tokens, capped at max_model_len) beyond its block table."""
 
     @property
     def is_prefill(self) -> bool:
@@ -39,7 +68,13 @@ class ScheduledSequence:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The plan for one step, consumed by the model runner. Prefills come first."""
+    """The plan for one step, consumed by the model runner. Prefills come first.
+
+    Before the forward pass the runner applies ``blocks_to_swap_out`` first: the device
+    blocks it reads are free again and may be the destinations of this step's copies,
+    swap-ins and new tokens. ``blocks_to_copy`` and ``blocks_to_swap_in`` touch disjoint
+    blocks (a copy's source is still held after the step is planned), so their order is free.
+    """
 
     scheduled: tuple[ScheduledSequence, ...]
     """Prefill (and chunked-prefill) sequences first, then decodes."""
@@ -55,7 +90,489 @@ class SchedulerOutput:
     """(device block, host block) pairs to copy out before the forward pass."""
     preempted: tuple[int, ...] = ()
     """seq ids preempted this step (for stats/logs)."""
+    aborted: tuple[str, ...] = ()
+    """Request ids the scheduler gave up on since the last step (they can never fit the
+    KV cache or the limits; an error was logged). Their sequences are FINISHED_ABORTED and
+    hold no blocks; the engine reports them finished with reason 'abort'."""
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.blocks_to_swap_out
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for logs and the metrics endpoint. Counts are of sequences."""
+
+    num_running: int
+    """Sequences holding device blocks (including those mid-prefill)."""
+    num_waiting: int
+    """Sequences waiting for admission (new, or preempted by recompute)."""
+    num_swapped: int
+    """Sequences whose KV sits in the host pool."""
+    kv_cache_usage: float
+    """Fraction of usable KV blocks held by sequences (cached-but-free blocks are free)."""
+    num_preemptions: int
+    """Preemptions since start (recompute and swap)."""
+    prefix_cache_queries: int
+    """Tokens looked up in the prefix cache since start (known tokens at each admission)."""
+    prefix_cache_hits: int
+    """Tokens of those served from the cache."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+@dataclass
+class _Step:
+    """Scratch state of one ``schedule()`` call."""
+
+    budget: int
+    pending_decodes: set[int]
+    """Running decodes not yet visited; prefill chunks leave one token for each."""
+    entries: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    deferred_swap_ins: list[tuple[Sequence, int]] = field(default_factory=list)
+    """(sequence, tokens) swapped in after every swap-out of the step (host blocks that
+    a swap-in frees must not be reused by a swap-out whose copy runs first)."""
+    reserved: int = 0
+    """Device blocks promised to the deferred swap-ins."""
+    preempted: list[int] = field(default_factory=list)
+    admission_closed: bool = False
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting, running and swapped queues.
+
+    Invariants between calls: every unfinished sequence of a known request is in exactly
+    one queue matching its status; running sequences hold a device block table covering
+    ``num_computed_tokens`` positions, swapped ones a host table, waiting ones nothing;
+    the running sequences (counting an unforked n > 1 request as n) never exceed
+    ``max_num_seqs``. Finished requests are forgotten.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling policy {config.policy!r} is unknown; use 'fcfs' or 'priority'"
+            )
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode {config.preemption_mode!r} is unknown; use 'recompute' or 'swap'"
+            )
+        limits = {
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_num_partial_prefills": config.max_num_partial_prefills,
+        }
+        for name, value in limits.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if config.watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be >= 0, got {config.watermark_blocks}")
+        self.config = config
+        self.bm = block_manager
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, int] = {}
+        self._next_order = 0
+        self._waiting: dict[int, Sequence] = {}
+        self._running: dict[int, Sequence] = {}
+        self._swapped: dict[int, Sequence] = {}
+        self._aborted: list[str] = []
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------- public API
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that can never run is aborted at once (error logged,
+        reported in the next ``SchedulerOutput.aborted``)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        self._requests[request.request_id] = request
+        self._order[request.request_id] = self._next_order
+        self._next_order += 1
+        reason = self._never_fits(request)
+        if reason is not None:
+            logger.error("aborting request %s: %s", request.request_id, reason)
+            self._abort(request)
+            self._aborted.append(request.request_id)
+            return
+        for seq in request.seqs:
+            if not seq.status.finished:
+                seq.status = SequenceStatus.WAITING
+                self._waiting[seq.seq_id] = seq
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request as aborted and free its blocks.
+
+        :return: the sequences aborted now; ``[]`` for an unknown or finished request.
+        """
+        request = self._requests.get(request_id)
+        return self._abort(request) if request is not None else []
+
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark a sequence finished (stop/length) and free its blocks; its computed full
+        blocks stay in the prefix cache."""
+        if not status.finished:
+            raise ValueError(f"finish_sequence needs a finished status, got {status}")
+        if seq.status.finished:
+            return  # e.g. aborted between the step's schedule and its update
+        if seq.seq_id in self._running:
+            self._offer_to_cache(seq)
+        self._drop(seq)
+        seq.status = status
+        request = self._requests.get(seq.request_id)
+        if request is not None and all(s.status.finished for s in request.seqs):
+            self._forget(request)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is unfinished or an abort is still to be reported."""
+        return bool(self._requests) or bool(self._aborted)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The request while it is unfinished, else None."""
+        return self._requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_swapped=len(self._swapped),
+            kv_cache_usage=self.bm.usage,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_queries=self.bm.prefix_cache_queries,
+            prefix_cache_hits=self.bm.prefix_cache_hits,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step and advance ``num_computed_tokens`` of every scheduled sequence
+        (the engine must run the step before calling ``schedule`` again)."""
+        for seq in self._running.values():
+            self._offer_to_cache(seq)
+        step = _Step(
+            budget=self.config.max_num_batched_tokens,
+            pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1},
+        )
+        candidates = [*self._running.values(), *self._swapped.values(), *self._waiting.values()]
+        for seq in sorted(candidates, key=self._key):
+            if seq.seq_id in step.preempted or seq.status.finished:
+                continue  # preempted or aborted earlier in this step
+            if seq.status is SequenceStatus.RUNNING:
+                self._schedule_running(seq, step)
+            elif seq.status is SequenceStatus.SWAPPED:
+                self._schedule_swapped(seq, step)
+            else:
+                self._schedule_waiting(seq, step)
+        self._run_swap_ins(step)
+        return self._output(step)
+
+    # ------------------------------------------------------- one step, per queue
+
+    def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+        group = [seq, *self._fork(seq)] if self._ready_to_fork(seq) else [seq]
+        for s in group:
+            if s.status is SequenceStatus.RUNNING and s.seq_id not in step.preempted:
+                self._schedule_tokens(s, step)
+
+    def _schedule_tokens(self, seq: Sequence, step: _Step) -> None:
+        is_decode = seq.seq_id in step.pending_decodes
+        step.pending_decodes.discard(seq.seq_id)
+        k = self._num_new_tokens(seq, seq.num_computed_tokens, step, is_decode)
+        if k == 0:
+            return
+        start = seq.num_computed_tokens
+
+        def need() -> int:
+            return self.bm.num_blocks_to_append(seq.seq_id, start, start + k)
+
+        if not self._make_room(seq, need, step, strict_priority=False):
+            if len(self._running) == 1:
+                self._abort_in_step(
+                    seq,
+                    f"at {start + k} tokens it needs {need()} more KV blocks besides its "
+                    f"{len(self.bm.block_table(seq.seq_id))}, but the cache has "
+                    f"{self.bm.num_usable_blocks} in all",
+                )
+            else:
+                self._preempt(seq, step)
+            return
+        step.copies += self.bm.append_slots(seq.seq_id, start, start + k)
+        step.budget -= k
+        self._emit(seq, k, step)
+
+    def _schedule_swapped(self, seq: Sequence, step: _Step) -> None:
+        if step.admission_closed or not self._has_slots(seq):
+            step.admission_closed = True
+            return
+        remaining = self._remaining(seq)
+        k = self._num_new_tokens(seq, seq.num_computed_tokens, step, remaining == 1)
+        on_host = self.bm.num_blocks_to_swap_in(seq.seq_id)
+        need = max(on_host, self.bm.blocks_for(seq.num_computed_tokens + k))
+        if (k == 0 and remaining > 0) or not self._make_room(
+            seq, lambda: need, step, strict_priority=True
+        ):
+            step.admission_closed = True
+            return
+        step.reserved += need
+        step.budget -= k
+        del self._swapped[seq.seq_id]
+        self._running[seq.seq_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        step.deferred_swap_ins.append((seq, k))
+
+    def _run_swap_ins(self, step: _Step) -> None:
+        step.reserved = 0
+        for seq, k in step.deferred_swap_ins:
+            step.swap_in += self.bm.swap_in(seq.seq_id)
+            if k:
+                start = seq.num_computed_tokens
+                step.copies += self.bm.append_slots(seq.seq_id, start, start + k)
+                self._emit(seq, k, step)
+
+    def _schedule_waiting(self, seq: Sequence, step: _Step) -> None:
+        if step.admission_closed or not self._has_slots(seq):
+            step.admission_closed = True
+            return
+        tokens = seq.token_ids_from(0, seq.num_tokens)
+        # Prompt logprobs need the logits of every prompt position: no cache hits then.
+        cached = self.bm.match_prefix(tokens) if seq.params.prompt_logprobs is None else 0
+        request = self._requests[seq.request_id]
+        remaining = self._target(seq) - cached
+        if remaining <= 0:  # an n > 1 prompt that forks at once: n tokens, a block each
+            if step.budget <= len(step.pending_decodes):
+                step.admission_closed = True
+                return
+            fresh = request.params.n
+        else:
+            k = self._num_new_tokens(seq, cached, step, is_decode=False)
+            if k == 0:
+                step.admission_closed = True
+                return
+            if (
+                remaining - k >= 2
+                and self._num_partial_prefills() >= self.config.max_num_partial_prefills
+            ):
+                return  # starvation guard: let prompts that finish now go ahead
+            fresh = self.bm.blocks_for(cached + k) - cached // self.bm.block_size
+        reserve = self.config.watermark_blocks if self._running else 0
+
+        def need() -> int:
+            # The cached blocks to take back from the free pool, then the blocks for this
+            # step's tokens. Re-evaluated after each preemption: a victim's release can turn
+            # a shared hit block into a free one that must be revived.
+            return self.bm.num_blocks_to_allocate(tokens, cached) + fresh + reserve
+
+        if not self._make_room(seq, need, step, strict_priority=True):
+            step.admission_closed = True
+            return
+        seq.num_computed_tokens = self.bm.allocate(seq.seq_id, tokens, cached)
+        del self._waiting[seq.seq_id]
+        self._running[seq.seq_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        self._schedule_running(seq, step)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _key(self, seq: Sequence) -> tuple:
+        """Importance: smaller is more important; total (request order, sample index)."""
+        fcfs = (seq.arrival_time, self._order[seq.request_id], seq.index)
+        return (seq.priority, *fcfs) if self.config.policy == "priority" else fcfs
+
+    def _unforked(self, request: Request) -> bool:
+        return request.params.n > 1 and not request.forked
+
+    def _target(self, seq: Sequence) -> int:
+        """Tokens to compute before this sequence can move on: the prompt minus its last
+        token for an unforked n > 1 request (then it forks), else every known token."""
+        if self._unforked(self._requests[seq.request_id]):
+            return seq.num_prompt_tokens - 1
+        return seq.num_tokens
+
+    def _remaining(self, seq: Sequence) -> int:
+        return self._target(seq) - seq.num_computed_tokens
+
+    def _max_len(self, seq: Sequence) -> int:
+        max_tokens = seq.params.max_tokens
+        limit = self.config.max_model_len
+        return limit if max_tokens is None else min(limit, seq.num_prompt_tokens + max_tokens)
+
+    def _slots(self, seq: Sequence) -> int:
+        request = self._requests[seq.request_id]
+        return request.params.n if self._unforked(request) else 1
+
+    def _has_slots(self, seq: Sequence) -> bool:
+        used = sum(self._slots(s) for s in self._running.values())
+        return used + self._slots(seq) <= self.config.max_num_seqs
+
+    def _num_partial_prefills(self) -> int:
+        return sum(1 for s in self._running.values() if self._remaining(s) >= 2)
+
+    def _num_new_tokens(self, seq: Sequence, computed: int, step: _Step, is_decode: bool) -> int:
+        """Tokens to compute this step within the budget (0: none now)."""
+        remaining = self._target(seq) - computed
+        avail = step.budget - (0 if is_decode else len(step.pending_decodes))
+        if remaining <= 0 or avail <= 0:
+            return 0
+        if remaining <= avail:
+            return remaining
+        # Without chunked prefill a prompt waits for a step with room for all of it; a
+        # recomputed prompt + outputs longer than a whole step has to be chunked anyway.
+        chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
+        return avail if chunk else 0
+
+    def _ready_to_fork(self, seq: Sequence) -> bool:
+        return self._unforked(self._requests[seq.request_id]) and self._remaining(seq) <= 0
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Split an n > 1 request's sequence into n sharing its blocks."""
+        request = self._requests[seq.request_id]
+        children = [seq.fork(i) for i in range(1, request.params.n)]
+        for child in children:
+            self.bm.fork(seq.seq_id, child.seq_id)
+            self._running[child.seq_id] = child
+        request.seqs.extend(children)
+        request.forked = True
+        return children
+
+    def _make_room(
+        self, seq: Sequence, need: Callable[[], int], step: _Step, strict_priority: bool
+    ) -> bool:
+        """Preempt less important running sequences until ``need()`` blocks are free.
+
+        ``strict_priority`` (admissions): only under the priority policy, and only victims
+        of strictly lower priority; otherwise any running sequence behind ``seq``.
+        """
+        while self.bm.num_free_blocks - step.reserved < need():
+            victim = self._pick_victim(seq, strict_priority)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _pick_victim(self, seq: Sequence, strict_priority: bool) -> Sequence | None:
+        if strict_priority and self.config.policy != "priority":
+            return None
+        key = self._key(seq)
+        # Everything behind seq in importance order is still unplanned this step.
+        behind = [
+            v
+            for v in self._running.values()
+            if self._key(v) > key and (not strict_priority or v.priority > seq.priority)
+        ]
+        return max(behind, key=self._key, default=None)
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        self._num_preemptions += 1
+        step.preempted.append(seq.seq_id)
+        step.pending_decodes.discard(seq.seq_id)
+        del self._running[seq.seq_id]
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq.seq_id):
+            step.swap_out += self.bm.swap_out(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            self._swapped[seq.seq_id] = seq
+        else:
+            # Outputs are kept: the re-admission prefills prompt + outputs.
+            self.bm.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._waiting[seq.seq_id] = seq
+
+    def _emit(self, seq: Sequence, k: int, step: _Step) -> None:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += k
+        params = seq.params
+        history = params.needs_token_history or params.prompt_logprobs is not None
+        table = self.bm.block_table(seq.seq_id)
+        step.entries.append(
+            ScheduledSequence(
+                seq_id=seq.seq_id,
+                request_id=seq.request_id,
+                token_ids=seq.token_ids_from(start, start + k),
+                start_pos=start,
+                block_table=table,
+                sample=seq.num_computed_tokens == seq.num_tokens,
+                params=params,
+                output_index=len(seq.output_token_ids),
+                prompt_token_ids=seq.prompt_token_ids if history else (),
+                output_token_ids=tuple(seq.output_token_ids) if history else (),
+                blocks_needed=max(0, self.bm.blocks_for(self._max_len(seq)) - len(table)),
+            )
+        )
+
+    def _output(self, step: _Step) -> SchedulerOutput:
+        prefills = [e for e in step.entries if e.is_prefill]
+        decodes = [e for e in step.entries if not e.is_prefill]
+        aborted, self._aborted = tuple(self._aborted), []
+        return SchedulerOutput(
+            scheduled=tuple(prefills + decodes),
+            num_prefills=len(prefills),
+            num_batched_tokens=sum(len(e.token_ids) for e in step.entries),
+            blocks_to_copy=tuple(step.copies),
+            blocks_to_swap_in=tuple(step.swap_in),
+            blocks_to_swap_out=tuple(step.swap_out),
+            preempted=tuple(step.preempted),
+            aborted=aborted,
+        )
+
+    def _offer_to_cache(self, seq: Sequence) -> None:
+        """Register the sequence's computed full blocks (their KV was written by an
+        executed step, so other sequences may reuse them from now on)."""
+        full = seq.num_computed_tokens // self.bm.block_size
+        if self.bm.enable_prefix_caching and full > self.bm.num_hashed_blocks(seq.seq_id):
+            tokens = seq.token_ids_from(0, full * self.bm.block_size)
+            self.bm.cache_computed(seq.seq_id, tokens, seq.num_computed_tokens)
+
+    def _drop(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and release whatever blocks it holds."""
+        for queue in (self._waiting, self._running, self._swapped):
+            queue.pop(seq.seq_id, None)
+        if self.bm.has_blocks(seq.seq_id):
+            self.bm.free(seq.seq_id)
+
+    def _abort(self, request: Request) -> list[Sequence]:
+        aborted = [s for s in request.seqs if not s.status.finished]
+        for seq in aborted:
+            self._drop(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._forget(request)
+        return aborted
+
+    def _abort_in_step(self, seq: Sequence, reason: str) -> None:
+        logger.error("aborting request %s (sequence %d): %s", seq.request_id, seq.seq_id, reason)
+        self._abort(self._requests[seq.request_id])
+        self._aborted.append(seq.request_id)
+
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._order.pop(request.request_id, None)
+
+    def _never_fits(self, request: Request) -> str | None:
+        """Why the request can never run with this cache and these limits, or None."""
+        cfg, n = self.config, request.params.n
+        p = len(request.prompt_token_ids)
+        if p == 0:
+            return "the prompt is empty"
+        if p >= cfg.max_model_len:
+            return f"the prompt has {p} tokens but max_model_len is {cfg.max_model_len}"
+        if n > cfg.max_num_seqs:
+            return f"n={n} samples but max_num_seqs is {cfg.max_num_seqs}; raise --max-num-seqs"
+        if not cfg.enable_chunked_prefill and p > cfg.max_num_batched_tokens:
+            return (
+                f"the prompt has {p} tokens, more than max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}), and chunked prefill is off; enable it"
+            )
+        bs = self.bm.block_size
+        shared = (p - 1) // bs if n > 1 else 0
+        need = shared + n * (blocks_for(self._max_len(request.seqs[0]), bs) - shared)
+        if need > self.bm.num_usable_blocks:
+            return (
+                f"{n} sample(s) of up to {self._max_len(request.seqs[0])} tokens need {need} KV "
+                f"blocks of {bs} tokens but the cache has {self.bm.num_usable_blocks}; lower "
+                "max_tokens or n, or raise the KV cache memory"
+            )
+        return None
