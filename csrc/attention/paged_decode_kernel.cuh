@@ -1,0 +1,231 @@
+// The decode kernels proper (v1/v2 main kernel, v2 reduce kernel) and their launcher.
+// Included by paged_decode.cuh; see there for the design.
+#pragma once
+
+namespace core_kernels {
+
+// After every warp's lanes are merged: combines the kWarps warp states through shared memory
+// and writes either the final output (v1) or this partition's partial result (v2).
+template <typename Sh, typename DT, int kGroup>
+__device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float* red,
+                                                      const LaneState<Sh, kGroup>& st, int seq,
+                                                      int qh0, int n_heads, int part) {
+  constexpr int W = Sh::kWarps;
+  constexpr int D = Sh::kVec * Sh::kRowChunks;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  float* red_acc = red;                   // [W][kGroup][D]
+  float* red_max = red + W * kGroup * D;  // [W][kGroup]
+  float* red_sum = red_max + W * kGroup;  // [W][kGroup]
+  if (lane < Sh::kLanesPerRow) {          // row group 0 holds the merged warp state
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+#pragma unroll
+      for (int m = 0; m < Sh::kChunksPerLane; ++m) {
+#pragma unroll
+        for (int e = 0; e < Sh::kVec; ++e) {
+          const int d = (lane + m * Sh::kLanesPerRow) * Sh::kVec + e;
+          red_acc[(warp * kGroup + g) * D + d] = st.acc[g][m * Sh::kVec + e];
+        }
+      }
+      if (lane == 0) {
+        red_max[warp * kGroup + g] = st.max[g];
+        red_sum[warp * kGroup + g] = st.sum[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < n_heads * D; idx += Sh::kThreads) {
+    const int g = idx / D;
+    const int d = idx % D;
+    float m = kNegBig;
+#pragma unroll
+    for (int w = 0; w < W; ++w) m = fmaxf(m, red_max[w * kGroup + g]);
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float f = fast_exp2(red_max[w * kGroup + g] - m);
+      l = fmaf(red_sum[w * kGroup + g], f, l);
+      o = fmaf(red_acc[(w * kGroup + g) * D + d], f, o);
+    }
+    const float out = l > 0.f ? o / l : 0.f;  // l == 0: no token attended (empty range)
+    if (a.partition == 0) {
+      auto* dst = static_cast<typename Sh::S*>(a.out);
+      dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = DT::from_float(out);
+    } else {
+      const int64_t slot = (int64_t(seq) * a.num_q_heads + qh0 + g) * a.max_parts + part;
+      a.part_out[slot * D + d] = out;
+      if (d == 0) {
+        a.part_max[slot] = m;
+        a.part_sum[slot] = l;
+      }
+    }
+  }
+}
+
+template <typename DT, int kHead, int kGroup>
+__global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
+    paged_decode_kernel(const DecodeArgs a) {
+  using Sh = DecodeShape<DT, kHead, kGroup>;
+  extern __shared__ uint4 smem[];
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int tiles = (group + kGroup - 1) / kGroup;
+  const int seq = blockIdx.z, part = blockIdx.x;
+  const int kv_head = blockIdx.y / tiles;
+  const int qh0 = kv_head * group + (blockIdx.y % tiles) * kGroup;
+  const int n_heads = min(kGroup, kv_head * group + group - qh0);
+  const int len = a.seq_lens[seq];
+  const int start = a.partition ? part * a.partition : 0;
+  if (part > 0 && start >= len) return;  // past this sequence's last partition
+  const int end = a.partition ? min(len, start + a.partition) : len;
+  const int lo = a.sliding_window > 0 ? max(0, len - a.sliding_window) : 0;
+  const int first_unit = max(start, lo) / Sh::kUnitRows;
+  const int n_units = max(0, (end + Sh::kUnitRows - 1) / Sh::kUnitRows - first_unit);
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int row_group = lane / Sh::kLanesPerRow, lane_in_row = lane % Sh::kLanesPerRow;
+  const int n_mine = n_units > warp ? (n_units - warp + Sh::kWarps - 1) / Sh::kWarps : 0;
+
+  // Cache strides (elements): block -> 2 x kv heads x [block_size, head].
+  const int64_t head_stride = int64_t(a.block_size) * kHead;
+  const int64_t kv_stride = head_stride * a.num_kv_heads;
+  const auto* cache = static_cast<const typename Sh::S*>(a.kv_cache) + kv_head * head_stride;
+  const int32_t* table = a.block_tables + seq * a.bt_stride;
+  uint4* ring = smem + warp * Sh::kStages * Sh::kUnitChunks;
+  const CopyPlan<Sh> plan(lane);
+
+  // Lane i holds the block id of this warp's unit (i mod warp size), refilled every
+  // kWarpSize units.
+  auto unit_token = [&](int i) { return (first_unit + warp + i * Sh::kWarps) * Sh::kUnitRows; };
+  auto load_ids = [&](int i0) {
+    return i0 + lane < n_mine ? table[unit_token(i0 + lane) >> a.block_shift] : 0;
+  };
+  // Start-up latency: the block ids and q are requested together, the first copies go out
+  // as soon as the ids arrive, and q is converted while they are in flight.
+  int table_ids = load_ids(0);
+  uint4 q_raw[kGroup][Sh::kChunksPerLane];
+  load_query<Sh, kGroup>(a, seq, qh0, n_heads, lane_in_row, q_raw);
+
+  auto issue = [&](int i) {
+    if (i < n_mine) {
+      if (i % kWarpSize == 0 && i > 0) table_ids = load_ids(i);
+      const int block = warp_shfl(table_ids, i % kWarpSize);
+      const int tok = unit_token(i);
+      plan.issue(ring + (i % Sh::kStages) * Sh::kUnitChunks,
+                 cache + int64_t(block) * 2 * kv_stride + (tok & (a.block_size - 1)) * kHead,
+                 kv_stride);
+    }
+    async_copy_commit();  // one group per index, empty or not, keeps the wait count exact
+  };
+#pragma unroll
+  for (int i = 0; i < Sh::kStages - 1; ++i) issue(i);
+
+  float q[kGroup][Sh::kDimsPerLane];
+  convert_query<Sh, DT, kGroup>(q_raw, a.scale, q);
+  LaneState<Sh, kGroup> st;
+  st.init();
+  for (int i = 0; i < n_mine; ++i) {
+    issue(i + Sh::kStages - 1);
+    async_copy_wait<Sh::kStages - 1>();  // unit i's group is complete
+    warp_sync();                         // ... and visible to every lane
+    attend_unit<Sh, DT, kGroup>(ring + (i % Sh::kStages) * Sh::kUnitChunks, unit_token(i), lo, end,
+                                row_group, lane_in_row, q, st);
+    warp_sync();  // every lane is done with this stage before it is refilled
+  }
+  allow_dependent_launch();  // the v2 reduce kernel may be scheduled from here on
+  async_copy_wait<0>();
+  merge_row_groups<Sh, kGroup>(st);
+  __syncthreads();  // all warps are done with their rings; reuse them as merge scratch
+  merge_warps_and_store<Sh, DT, kGroup>(a, reinterpret_cast<float*>(smem), st, seq, qh0, n_heads,
+                                        part);
+}
+
+// Block-wide max or sum of one float per thread; `scratch` holds >= warps + 1 floats.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    const float o = warp_shfl_xor(v, off);
+    v = kMax ? fmaxf(v, o) : v + o;
+  }
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float r = scratch[0];
+    for (int w = 1; w < warps; ++w) r = kMax ? fmaxf(r, scratch[w]) : r + scratch[w];
+    scratch[warps] = r;
+  }
+  __syncthreads();
+  return scratch[warps];
+}
+
+// v2 second pass: for one (query head, sequence), weights each partition by
+// sum_p * 2^(max_p - max) and writes the normalised combination.
+template <typename DT, int kHead>
+__global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeArgs a) {
+  extern __shared__ float weights[];  // [max_parts]
+  __shared__ float scratch[64];
+  grid_dependency_wait();  // launched to overlap the main kernel's tail: wait for its results
+  const int qh = blockIdx.x, seq = blockIdx.y;
+  const int len = a.seq_lens[seq];
+  const int n_parts = min(a.max_parts, (len + a.partition - 1) / a.partition);
+  const int64_t base = (int64_t(seq) * a.num_q_heads + qh) * a.max_parts;
+  float m = kNegBig;
+  for (int p = threadIdx.x; p < n_parts; p += blockDim.x) m = fmaxf(m, a.part_max[base + p]);
+  m = block_reduce<true>(m, scratch);
+  float total = 0.f;
+  for (int p = threadIdx.x; p < n_parts; p += blockDim.x) {
+    const float w = a.part_sum[base + p] * fast_exp2(a.part_max[base + p] - m);
+    weights[p] = w;
+    total += w;
+  }
+  total = block_reduce<false>(total, scratch);  // its barriers also publish weights[]
+  auto* out =
+      static_cast<typename DT::Storage*>(a.out) + seq * a.o_stride_tok + qh * a.o_stride_head;
+  for (int d = threadIdx.x; d < kHead; d += blockDim.x) {
+    float o = 0.f;
+    for (int p = 0; p < n_parts; ++p) o = fmaf(weights[p], a.part_out[(base + p) * kHead + d], o);
+    out[d] = DT::from_float(total > 0.f ? o / total : 0.f);
+  }
+}
+
+template <typename DT, int kHead, int kGroup>
+cudaError_t launch_paged_decode(const DecodeArgs& a, cudaStream_t stream) {
+  using Sh = DecodeShape<DT, kHead, kGroup>;
+  auto* kernel = paged_decode_kernel<DT, kHead, kGroup>;
+  // Set on every launch: the attribute is per device, and it is not a stream operation, so
+  // it is also allowed while a CUDA graph is being captured.
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int tiles = (group + kGroup - 1) / kGroup;
+  const dim3 grid(a.partition ? a.max_parts : 1, a.num_kv_heads * tiles, a.num_seqs);
+  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || a.partition == 0) return err;
+  const dim3 reduce_grid(a.num_q_heads, a.num_seqs);
+  return launch_dependent(paged_decode_reduce_kernel<DT, kHead>, reduce_grid, dim3(128),
+                          a.max_parts * sizeof(float), stream, a);
+}
+
+// Picks the compile-time shape: query heads per CTA = 4 for groups up to 4 (MHA and small
+// GQA groups pad with idle heads), else 8 (larger groups are served in tiles of 8).
+template <typename DT>
+cudaError_t paged_decode_typed(const DecodeArgs& a, cudaStream_t stream) {
+  const bool wide = a.num_q_heads / a.num_kv_heads > 4;
+  if (a.head_size == 64) {
+    return wide ? launch_paged_decode<DT, 64, 8>(a, stream)
+                : launch_paged_decode<DT, 64, 4>(a, stream);
+  }
+  if (a.head_size == 128) {
+    return wide ? launch_paged_decode<DT, 128, 8>(a, stream)
+                : launch_paged_decode<DT, 128, 4>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace core_kernels

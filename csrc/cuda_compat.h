@@ -1,0 +1,199 @@
+// Every difference between CUDA and HIP that the kernels in csrc/ rely on lives here.
+//
+// The kernels are written once, in CUDA C++, and hipified for ROCm at build time
+// (torch.utils.hipify). Nothing outside this header may name a CUDA- or HIP-only
+// intrinsic, type or constant: warp size, shuffles, warp barriers, 16-bit float
+// conversions, asynchronous global->shared copies and the fast exp2 all go through the
+// helpers below. USE_ROCM is defined by torch's build for ROCm.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#ifdef USE_ROCM
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+#else
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace core_kernels {
+
+// ---- warp size -------------------------------------------------------------------------
+// CDNA (MI200/MI300) runs 64-wide wavefronts; RDNA can run 32-wide ones. NVIDIA: 32.
+#ifdef USE_ROCM
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+constexpr int kWarpSize = 64;
+#endif
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// ---- shared-memory copy ring -------------------------------------------------------------
+// Stages of a warp's copy ring: with asynchronous copies two units stay in flight while a
+// third is consumed; where copies are synchronous (HIP) one stage does the same work, and
+// AMD's 64 KiB of LDS per CU could not hold three. Host and device passes must agree on this
+// (it sizes the kernel's dynamic shared memory), so it depends on USE_ROCM only.
+#ifdef USE_ROCM
+constexpr int kCopyStages = 1;
+#else
+constexpr int kCopyStages = 3;
+#endif
+
+// ---- warp collectives ------------------------------------------------------------------
+// All lanes of the warp take part (the kernels never call these under divergence).
+__device__ __forceinline__ float warp_shfl_xor(float v, int lane_mask) {
+#ifdef USE_ROCM
+  return __shfl_xor(v, lane_mask, kWarpSize);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, kWarpSize);
+#endif
+}
+
+__device__ __forceinline__ int warp_shfl(int v, int src_lane) {
+#ifdef USE_ROCM
+  return __shfl(v, src_lane, kWarpSize);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane, kWarpSize);
+#endif
+}
+
+// True on every lane when `pred` holds on any lane.
+__device__ __forceinline__ bool warp_any(bool pred) {
+#ifdef USE_ROCM
+  return __any(pred);
+#else
+  return __any_sync(0xffffffffu, pred);
+#endif
+}
+
+// Orders shared-memory accesses among the lanes of one warp.
+__device__ __forceinline__ void warp_sync() {
+#ifdef USE_ROCM
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+// ---- math ------------------------------------------------------------------------------
+// 2^x with the hardware's approximate unit; exp2(-inf) = 0 and exp2(-1e30) = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef USE_ROCM
+  return __builtin_amdgcn_exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// ---- 16-bit floats, as raw bits ----------------------------------------------------------
+// The kernels keep fp16/bf16 data as uint16_t bit patterns so that neither toolkit's
+// half/bfloat16 class (nor torch's -D__CUDA_NO_HALF_OPERATORS__ style flags) matter.
+// bf16 -> f32 is a shift on both platforms; fp16 goes through the toolkit's intrinsics.
+__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
+  __half2 h;
+  static_assert(sizeof(h) == sizeof(bits), "__half2 must be 32 bits");
+  __builtin_memcpy(&h, &bits, sizeof(bits));
+  return __half22float2(h);
+}
+
+__device__ __forceinline__ uint16_t float_to_half_bits(float x) {
+  return __half_as_ushort(__float2half_rn(x));
+}
+
+// ---- asynchronous global -> shared copies ------------------------------------------------
+// On NVIDIA sm_80+ these are cp.async copies of 16 bytes that bypass L1 and registers,
+// grouped by commit and awaited by count. Elsewhere (HIP, older NVIDIA) they degrade to
+// ordinary 16-byte loads and stores, which are complete when issued, so the waits are
+// no-ops; the kernels' results do not depend on which path runs.
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CORE_HAS_CP_ASYNC 1
+#else
+#define CORE_HAS_CP_ASYNC 0
+#endif
+
+__device__ __forceinline__ void async_copy_16(void* smem_dst, const void* gmem_src) {
+#if CORE_HAS_CP_ASYNC
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+#else
+  *static_cast<uint4*>(smem_dst) = *static_cast<const uint4*>(gmem_src);
+#endif
+}
+
+__device__ __forceinline__ void async_copy_commit() {
+#if CORE_HAS_CP_ASYNC
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void async_copy_wait() {
+#if CORE_HAS_CP_ASYNC
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ---- programmatic dependent launch (Hopper) -----------------------------------------------
+// A kernel launched with launch_dependent() may start while the previous kernel on the
+// stream is finishing; it must call grid_dependency_wait() before reading that kernel's
+// results. The previous kernel may call allow_dependent_launch() once its CTAs are past the
+// point where an early start of the dependent kernel could take resources they need. Where
+// the hardware lacks the feature (HIP, sm < 90) launches are ordinary and these are no-ops.
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CORE_HAS_PDL 1
+#else
+#define CORE_HAS_PDL 0
+#endif
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if CORE_HAS_PDL
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if CORE_HAS_PDL
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+}  // namespace core_kernels
+
+// ---- host side ---------------------------------------------------------------------------
+// Plain runtime calls (cudaStream_t, cudaMemcpyAsync, <<<...>>>) are left to hipify; only
+// launches whose API differs are wrapped here.
+namespace core_kernels {
+
+// Launches `kernel` so that it may overlap the tail of the previous kernel on `stream` (see
+// grid_dependency_wait). Returns the launch error.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args&&... args) {
+#ifdef USE_ROCM
+  hipLaunchKernelGGL(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  return hipGetLastError();
+#else
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+#endif
+}
+
+}  // namespace core_kernels

@@ -1,0 +1,90 @@
+// Host entry points of the kernels in csrc/: plain C++ over raw pointers, sizes and
+// strides, with the stream to launch on. No torch types cross this line, so the device
+// code compiles (and is compile-checked in CI) without torch's headers; the torch op
+// registration in *.cpp files checks tensors and calls these.
+//
+// KV-cache layout shared by every kernel (one tensor per layer):
+//   [num_blocks, 2, num_kv_heads, block_size, head_size], contiguous.
+// A block's keys and values are one contiguous span (so swaps and copies move one span per
+// block), and the keys of one (block, kv head) are a contiguous [block_size, head_size]
+// tile (so decode streams them with 16-byte coalesced loads).
+#pragma once
+
+#include <cstdint>
+
+#ifdef USE_ROCM
+#include <hip/hip_runtime_api.h>
+#else
+#include <cuda_runtime_api.h>
+#endif
+
+namespace core_kernels {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+// Size in bytes of one element of `dtype`.
+inline int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+// ---- paged decode attention ----------------------------------------------------------------
+// Strides are in elements. One query token per sequence.
+struct DecodeArgs {
+  void* out;                    // [num_seqs, num_q_heads, head_size], last dim contiguous
+  const void* query;            // [num_seqs, num_q_heads, head_size], last dim contiguous
+  const void* kv_cache;         // layout above
+  const int32_t* block_tables;  // [num_seqs, bt_stride]
+  const int32_t* seq_lens;      // [num_seqs]; tokens to attend to (>= 0)
+  float* part_out;              // v2 only: [num_seqs, num_q_heads, max_parts, head_size]
+  float* part_max;              // v2 only: [num_seqs, num_q_heads, max_parts] (log2 domain)
+  float* part_sum;              // v2 only: [num_seqs, num_q_heads, max_parts]
+  int64_t q_stride_tok, q_stride_head;
+  int64_t o_stride_tok, o_stride_head;
+  int64_t bt_stride;
+  int num_seqs, num_q_heads, num_kv_heads, head_size, block_size;
+  int block_shift;     // log2(block_size): block sizes are powers of two
+  int partition;       // 0: single pass (v1); else tokens per partition (v2), % 16 == 0
+  int max_parts;       // v2: partitions of the longest sequence (grid size)
+  int sliding_window;  // 0: none; else attend to the last `sliding_window` tokens
+  float scale;         // softmax scale applied to q.k
+  DType dtype;
+};
+
+// Launches v1 (args.partition == 0) or v2 (split-KV kernel + reduce kernel). Returns the
+// launch error, if any. Requires head_size in {64, 128}, block_size a power of two >= 16,
+// 16-byte aligned rows, and num_q_heads % num_kv_heads == 0.
+cudaError_t paged_decode(const DecodeArgs& args, cudaStream_t stream);
+
+// Per-dtype halves of paged_decode, one translation unit each (they compile in parallel).
+cudaError_t paged_decode_fp16(const DecodeArgs& args, cudaStream_t stream);
+cudaError_t paged_decode_bf16(const DecodeArgs& args, cudaStream_t stream);
+cudaError_t paged_decode_fp32(const DecodeArgs& args, cudaStream_t stream);
+
+// ---- cache ops --------------------------------------------------------------------------------
+// Writes token t's key/value rows ([num_kv_heads, head_size], strides in elements, last dim
+// contiguous) into the cache at slot_mapping[t] = block * block_size + offset. Tokens with a
+// negative slot are padding and are skipped.
+struct ReshapeAndCacheArgs {
+  const void* key;
+  const void* value;
+  void* kv_cache;
+  const int64_t* slot_mapping;
+  int64_t key_stride_tok, key_stride_head;
+  int64_t value_stride_tok, value_stride_head;
+  int num_tokens, num_kv_heads, head_size, block_size, elem_size;
+};
+cudaError_t reshape_and_cache(const ReshapeAndCacheArgs& args, cudaStream_t stream);
+
+// For every layer l < num_layers and pair p < num_pairs, copies block pairs[2p] of layer l
+// onto block pairs[2p + 1] of the same layer; `pairs` lives on the device. All layers go in
+// one launch per kMaxCopyLayers layers. Destinations must be distinct and never a source.
+constexpr int kMaxCopyLayers = 256;
+cudaError_t copy_blocks(void* const* layer_caches, int num_layers, const int64_t* pairs,
+                        int num_pairs, int64_t block_bytes, cudaStream_t stream);
+
+// Copies whole blocks between two caches of the same layout (device<->host, or within a
+// device): src block pairs_host[2p] -> dst block pairs_host[2p + 1]. `pairs_host` is host
+// memory; consecutive runs (src+1, dst+1) are merged into one copy. Host memory should be
+// pinned for the copies to be asynchronous.
+cudaError_t swap_blocks(const void* src, void* dst, const int64_t* pairs_host, int num_pairs,
+                        int64_t block_bytes, cudaStream_t stream);
+
+}  // namespace core_kernels

@@ -1,0 +1,217 @@
+"""CUDA attention: our paged decode kernels (csrc/) for decode rows, torch SDPA for prompts.
+
+KV layout (one tensor per layer): ``[num_blocks, 2, num_kv_heads, block_size, head_size]``.
+A block's keys and values are one contiguous span, so swaps and copy-on-write move one span
+per block; the keys of one (block, kv head) are a contiguous ``[block_size, head_size]`` tile,
+which the decode kernel streams with 16-byte coalesced copies.
+
+Decode runs one of two kernels, chosen per batch by :func:`choose_decode_partition`:
+v1 (one CTA per sequence x kv head covers the whole context) or v2 (each context is split into
+partitions, one CTA each, combined by a reduce kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from platforms.cuda.build import load_ops
+
+SUPPORTED_HEAD_SIZES = (64, 128)
+SUPPORTED_BLOCK_SIZES = (16, 32)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+CTAS_PER_SM = 2
+"""Resident decode CTAs per multiprocessor (96 KiB of copy stages each in bf16)."""
+MIN_PARTITION_TOKENS = 256
+"""Shortest v2 partition: below this a CTA's start-up (query, block ids, first copies)
+outweighs its streaming time."""
+
+
+def head_tiles(num_heads: int, num_kv_heads: int) -> int:
+    """CTAs per kv head: groups of up to 4 query heads take one, larger groups tiles of 8."""
+    group = num_heads // num_kv_heads
+    return 1 if group <= 4 else math.ceil(group / 8)
+
+
+def choose_decode_partition(
+    num_seqs: int, num_kv_heads: int, tiles: int, max_seq_len: int, num_sms: int
+) -> int:
+    """Partition length for a decode batch: 0 selects v1 (single pass), else v2.
+
+    Rule: the v1 grid has ``ctas = num_seqs * num_kv_heads * tiles`` CTAs and the chip holds
+    ``slots = num_sms * CTAS_PER_SM`` at once. When ``slots // ctas`` is below 2, v1 already
+    fills at least half the chip and splitting only adds the partial-result round trip (on
+    the H200, v1 beat every fixed v2 partition from 512 CTAs up). Otherwise each context is
+    cut into ``slots // ctas`` partitions, so that the v2 grid is one full wave of
+    equally long CTAs (no tail wave), with partitions of at least ``MIN_PARTITION_TOKENS``.
+    """
+    ctas = num_seqs * num_kv_heads * tiles
+    parts = (num_sms * CTAS_PER_SM) // max(ctas, 1)
+    if parts < 2 or max_seq_len <= MIN_PARTITION_TOKENS:
+        return 0
+    per_part = -(-max_seq_len // parts)  # ceil
+    partition = max(MIN_PARTITION_TOKENS, (per_part + 15) // 16 * 16)
+    return 0 if partition >= max_seq_len else partition
+
+
+class CudaPagedAttention(AttentionBackend):
+    """Paged attention on NVIDIA GPUs.
+
+    :param decode_partition: force the decode kernel: None follows
+        :func:`choose_decode_partition`, 0 forces v1, a positive multiple of 16 forces v2 with
+        that partition length (benchmarks and tests).
+    """
+
+    name = "cuda_paged"
+
+    def __init__(self, spec: AttentionSpec, decode_partition: int | None = None):
+        super().__init__(spec)
+        _check_spec(spec)
+        if decode_partition is not None and (decode_partition < 0 or decode_partition % 16):
+            raise ValueError(
+                f"decode_partition {decode_partition} must be None, 0 (v1) or a positive "
+                "multiple of 16 (v2 partition length in tokens)"
+            )
+        self.decode_partition = decode_partition
+        self.group = spec.num_heads // spec.num_kv_heads
+        self.tiles = head_tiles(spec.num_heads, spec.num_kv_heads)
+        self._ops = load_ops()
+        self._num_sms: int | None = None
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, num_kv_heads, block_size, head_size)
+
+    # ---- cache ops --------------------------------------------------------------------------
+    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
+        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+        load_ops().copy_blocks(kv_caches, pairs)
+
+    @staticmethod
+    def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        load_ops().swap_blocks(src, dst, pairs)
+
+    # ---- attention ------------------------------------------------------------------------
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        if metadata.num_decode_tokens:
+            self.decode(query, kv_cache, metadata, out)
+        if metadata.num_prefills:
+            self._prefill(query, key, value, kv_cache, metadata, out)
+        return out
+
+    def decode_partition_for(self, md: AttentionMetadata, device: torch.device) -> int:
+        """Partition length the decode rows of ``md`` run with (0 = v1)."""
+        if self.decode_partition is not None:
+            return self.decode_partition
+        return choose_decode_partition(
+            md.num_decode_tokens, self.spec.num_kv_heads, self.tiles, md.max_seq_len,
+            self._sm_count(device),
+        )
+
+    def decode_plan(self, md: AttentionMetadata) -> str:
+        """Which decode kernel a batch gets, for logs and benchmarks: 'v1' or 'v2/<tokens>'."""
+        partition = self.decode_partition_for(md, md.block_tables.device)
+        return f"v2/{partition}" if partition else "v1"
+
+    def decode(self, query, kv_cache, md: AttentionMetadata, out) -> None:
+        """Decode rows ``[num_prefill_tokens, num_tokens)`` of ``query`` into ``out``."""
+        first, n = md.num_prefill_tokens, md.num_decode_tokens
+        seqs = slice(md.num_prefills, md.num_prefills + n)
+        partition = self.decode_partition_for(md, query.device)
+        self._ops.paged_decode(
+            out[first : first + n],
+            query[first : first + n],
+            kv_cache,
+            md.block_tables[seqs],
+            md.seq_lens[seqs],
+            self.spec.softmax_scale,
+            md.max_seq_len,
+            partition,
+            self.spec.sliding_window or 0,
+        )
+
+    def _sm_count(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def _prefill(self, query, key, value, kv_cache, md: AttentionMetadata, out) -> None:
+        """Prompt rows through SDPA: a fresh prompt attends to its own keys (flash, causal);
+        a chunk over cached context gathers the context from the cache and uses a
+        bottom-right-aligned causal mask (memory-efficient kernel)."""
+        seq_lens = md.seq_lens_host or tuple(md.seq_lens.tolist())
+        ctx_lens = md.context_lens_host or tuple(md.context_lens.tolist())
+        window = self.spec.sliding_window
+        start = 0
+        for i in range(md.num_prefills):
+            q_len, ctx = seq_lens[i] - ctx_lens[i], ctx_lens[i]
+            rows = slice(start, start + q_len)
+            start += q_len
+            q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            if ctx == 0 and window is None:
+                k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q, D]
+                v = value[rows].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.spec.softmax_scale,
+                    enable_gqa=self.group > 1,
+                )
+            else:
+                k, v = self._gather(kv_cache, md.block_tables[i], seq_lens[i])
+                mask = self._mask(q_len, seq_lens[i], query.device)
+                o = F.scaled_dot_product_attention(
+                    q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                    scale=self.spec.softmax_scale,
+                )
+            out[rows] = o[0].transpose(0, 1)
+
+    def _gather(self, kv_cache, block_table, length: int):
+        """Keys/values of positions [0, length) of one sequence, each [H, length, D] with
+        the kv heads repeated for their query groups."""
+        bs = kv_cache.shape[3]
+        blocks = kv_cache.index_select(0, block_table[: -(-length // bs)])  # [nb, 2, Hkv, bs, D]
+        kv = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :length]  # [2, Hkv, length, D]
+        if self.group > 1:
+            kv = kv.repeat_interleave(self.group, dim=1)
+        return kv[0], kv[1]
+
+    def _mask(self, q_len: int, kv_len: int, device: torch.device):
+        """Causal mask aligned to the end (query t sits at position kv_len - q_len + t)."""
+        window = self.spec.sliding_window
+        if window is None:
+            return causal_lower_right(q_len, kv_len)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+        return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def _check_spec(spec: AttentionSpec) -> None:
+    problems = []
+    if spec.head_size not in SUPPORTED_HEAD_SIZES:
+        problems.append(f"head size {spec.head_size} (supported: {SUPPORTED_HEAD_SIZES})")
+    if spec.block_size not in SUPPORTED_BLOCK_SIZES:
+        problems.append(f"block size {spec.block_size} (supported: {SUPPORTED_BLOCK_SIZES})")
+    if spec.dtype not in SUPPORTED_DTYPES:
+        problems.append(f"dtype {spec.dtype} (supported: bfloat16, float16, float32)")
+    if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
+        problems.append(
+            f"{spec.num_heads} query heads over {spec.num_kv_heads} kv heads (must divide)"
+        )
+    if problems:
+        raise ValueError(
+            "the cuda_paged attention backend cannot serve this layer: "
+            + "; ".join(problems)
+            + ". Use a supported --block-size/--dtype, or run the model on another platform."
+        )

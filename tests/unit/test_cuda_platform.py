@@ -1,0 +1,120 @@
+"""The CUDA platform's host-side logic, checked without a GPU: probe, decode-kernel choice,
+KV layout, spec validation and plugin registration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.attention import AttentionSpec
+from platforms.cuda.attention import (
+    MIN_PARTITION_TOKENS,
+    CudaPagedAttention,
+    _check_spec,
+    choose_decode_partition,
+    head_tiles,
+)
+from platforms.cuda.platform import CudaPlatform
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch message")
+def test_probe_explains_cpu_only_torch():
+    result = CudaPlatform.probe()
+    assert result.score == 0
+    assert "CPU-only" in result.reason and "torch.version.cuda is None" in result.reason
+
+
+def test_probe_does_not_initialise_cuda():
+    # A fresh interpreter: in this one, other tests may already have initialised CUDA.
+    code = (
+        "import torch\n"
+        "from platforms.cuda.platform import CudaPlatform\n"
+        "CudaPlatform.probe()\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_platform_facts():
+    p = CudaPlatform()
+    assert (p.name, p.device_type, p.dispatch_key) == ("cuda", "cuda", "CUDA")
+    assert p.distributed_backend() == "nccl"
+    assert p.supported_block_sizes() == (16, 32)
+    assert p.supported_dtypes()[0] is torch.bfloat16
+    assert p.device_visibility_env == "CUDA_VISIBLE_DEVICES"
+    assert {"graph_capture", "device_memory", "pinned_host_memory"} <= p.capabilities
+
+
+def test_kv_layout_holds_every_slot_once():
+    shape = CudaPagedAttention.kv_cache_shape(7, 16, 8, 128)
+    assert shape == (7, 2, 8, 16, 128)
+    assert torch.Size(shape).numel() == 2 * 7 * 16 * 8 * 128
+
+
+@pytest.mark.parametrize(
+    "group,tiles", [(1, 1), (2, 1), (4, 1), (5, 1), (6, 1), (8, 1), (12, 2), (16, 2)]
+)
+def test_head_tiles(group, tiles):
+    assert head_tiles(8 * group, 8) == tiles
+
+
+H200_SMS = 132  # x CTAS_PER_SM = 264 resident decode CTAs
+
+
+def test_small_batches_split_into_one_full_wave():
+    # 1 x 8 kv heads: 33 partitions of 1008 tokens -> 264 CTAs, one per slot
+    assert choose_decode_partition(1, 8, 1, 32768, H200_SMS) == 1008
+    # 8 x 8: 4 partitions of 1024 -> 256 CTAs
+    assert choose_decode_partition(8, 8, 1, 4096, H200_SMS) == 1024
+    assert choose_decode_partition(8, 8, 1, 32768, H200_SMS) == 8192
+
+
+def test_partitions_never_go_below_the_minimum():
+    assert choose_decode_partition(1, 8, 1, 4096, H200_SMS) == MIN_PARTITION_TOKENS
+
+
+def test_batches_that_fill_half_the_chip_take_v1():
+    assert choose_decode_partition(64, 8, 1, 4096, H200_SMS) == 0
+    assert choose_decode_partition(256, 8, 1, 32768, H200_SMS) == 0
+    assert choose_decode_partition(17, 8, 1, 32768, H200_SMS) == 0  # 136 CTAs: 264 // 136 = 1
+
+
+def test_contexts_within_one_partition_take_v1():
+    assert choose_decode_partition(1, 8, 1, MIN_PARTITION_TOKENS, H200_SMS) == 0
+    assert choose_decode_partition(1, 8, 1, 200, H200_SMS) == 0
+
+
+def test_unsupported_spec_is_explained():
+    spec = AttentionSpec(num_heads=6, num_kv_heads=4, head_size=96, dtype=torch.float64,
+                         block_size=8)
+    with pytest.raises(ValueError) as err:
+        _check_spec(spec)
+    msg = str(err.value)
+    for part in ("head size 96", "block size 8", "torch.float64", "6 query heads over 4"):
+        assert part in msg
+
+
+def test_bad_decode_partition_is_refused_before_loading_kernels():
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
+                         block_size=16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        CudaPagedAttention(spec, decode_partition=100)
+
+
+def test_plugin_registers_through_the_public_hook():
+    import platforms.cuda as plugin
+    from core.plugins import Plugins
+
+    plugins = Plugins()
+    plugins.register(plugin, "cuda")
+    assert plugins.platforms()["cuda"][1] is CudaPlatform
