@@ -7,6 +7,7 @@ parallel layers behave as plain layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -55,3 +56,41 @@ class TorchDistributed(Communicator):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self._dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def min_ints(self, values: Sequence[int], device: torch.device) -> list[int]:
+        """Element-wise minimum of ``values`` over ranks; every rank gets the same list.
+
+        ``device`` is where the backend can reduce (a CPU tensor for gloo, the rank's
+        device for nccl and the like).
+        """
+        t = torch.tensor(list(values), dtype=torch.int64, device=device)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+
+def init_torch_distributed(
+    backend: str, rank: int, world_size: int, init_method: str
+) -> TorchDistributed:
+    """Join (create, for rank 0) the default process group and return its communicator.
+
+    :param backend: the platform's ``distributed_backend()`` (gloo, nccl, xccl, hccl, ...).
+    :param init_method: ``tcp://HOST:PORT`` where rank 0 listens; every rank blocks here
+        until all ``world_size`` ranks have joined.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(
+            f"this torch build ({torch.__version__}) has no torch.distributed; tensor "
+            f"parallelism needs it: install a standard torch wheel"
+        )
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return TorchDistributed()
+
+
+def destroy_torch_distributed() -> None:
+    """Leave the default process group if this process is in one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
