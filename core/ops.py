@@ -92,4 +92,10 @@ class Ops:
 
     def names(self) -> dict[str, str]:
         """op name -> qualified name of the implementation in use (for logs)."""
-        return {n: f"{f.__module__}.{f.__qualname__}" for n, f in self._table.items()}
+        return {n: _qualname(f) for n, f in self._table.items()}
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    """Name of a function or of a callable object's class."""
+    obj = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
