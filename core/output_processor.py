@@ -153,10 +153,14 @@ class OutputProcessor:
         comps = []
         for seq in sorted(req.seqs, key=lambda q: q.index):
             st = self._seqs.get(seq.seq_id)
+            text = st.text if st else ""
+            if st and st.stops and not seq.status.finished:
+                # never show text that a stop string completed later would trim away
+                text = text[: st.stops.streamable_len(text)]
             comps.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=st.text if st else "",
+                    text=text,
                     token_ids=tuple(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob,
                     logprobs=tuple(st.logprobs) if st and req.params.logprobs is not None else None,

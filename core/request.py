@@ -8,6 +8,7 @@ counts) and each compute the last prompt token and sample on their own.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -82,11 +83,18 @@ class Sequence:
         return self.prompt_token_ids[start:] + tuple(self.output_token_ids[: end - p])
 
     def fork(self, index: int) -> Sequence:
-        """A sibling sample: same prompt and computed prefix, fresh id, own outputs."""
+        """A sibling sample: same prompt and computed prefix, fresh id, own outputs.
+
+        A seeded request gives sample ``index`` the seed ``seed + index`` so the n samples
+        differ from each other yet stay reproducible.
+        """
+        params = self.params
+        if params.seed is not None and index:
+            params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         return Sequence(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            params=self.params,
+            params=params,
             arrival_time=self.arrival_time,
             priority=self.priority,
             index=index,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,16 +70,51 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            _check(_is_int(getattr(self, name)), name, getattr(self, name), "an integer")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, value, "an integer or None")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            value = getattr(self, name)
+            _check(_is_real(value), name, value, "a number")
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 = greedy)")
+        _check(
+            self.temperature >= 0 and math.isfinite(self.temperature),
+            "temperature",
+            self.temperature,
+            "a finite number >= 0 (0 = greedy)",
+        )
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "(0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "[0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "[-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
         _check(
-            self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1 or None"
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "> 0 (1 = off)",
+        )
+        _check(
+            -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "[-2, 2]"
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "[-2, 2]",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            ">= 1 or None",
         )
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         _check(
@@ -86,7 +123,9 @@ class SamplingParams:
             self.min_tokens,
             f"<= max_tokens ({self.max_tokens})",
         )
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0 or None")
+        _check(
+            self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0 or None"
+        )
         _check(
             self.prompt_logprobs is None or self.prompt_logprobs >= 0,
             "prompt_logprobs",
@@ -94,22 +133,31 @@ class SamplingParams:
             ">= 0 or None",
         )
         _check(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
             "seed",
             self.seed,
             "an integer in [0, 2**63)",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "non-negative token ids",
         )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
-                _check(isinstance(tok, int) and tok >= 0, "logit_bias", tok, "non-negative token ids as keys")
-                _check(-100 <= bias <= 100, "logit_bias", bias, "[-100, 100] per token")
+                _check(
+                    _is_int(tok) and tok >= 0, "logit_bias", tok, "non-negative token ids as keys"
+                )
+                _check(
+                    _is_real(bias) and -100 <= bias <= 100,
+                    "logit_bias",
+                    bias,
+                    "[-100, 100] per token",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -126,13 +174,25 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias or {}),
+        ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(
                     f"{name} contains token id(s) {bad[:5]} but the vocabulary has {vocab_size} "
                     f"tokens (ids 0..{vocab_size - 1}); remove them"
                 )
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass, but True as a count or a token id is a caller's mistake.
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -1,0 +1,165 @@
+"""Sampler microbenchmark: median wall time of one ``Sampler.__call__`` on CPU.
+
+    python -m core.benchmarks.sampler [--batch 256] [--vocab 128256] [--repeats 5]
+                                      [--top-p-candidates N] [--threads N]
+
+Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``peaked``
+(Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
+of tens of tokens) and ``flat`` (pure Gaussian, nuclei of tens of thousands of tokens: the
+worst case for top-p). ``--top-p-candidates 0`` switches the top-p candidate search off
+(always a full sort), to compare with the textbook method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from core.sampler import Sampler, _inverse_cdf
+from core.sampling_params import SamplingParams
+from core.scheduler import ScheduledSequence
+
+PROMPT_LEN, OUTPUT_LEN = 512, 128
+
+
+def make_logits(batch: int, vocab: int, shape: str, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=gen) * 2.0
+    if shape == "peaked":
+        hot = torch.randint(0, vocab, (batch, 16), generator=gen)
+        logits.scatter_(1, hot, 15.0 + 5.0 * torch.rand(batch, 16, generator=gen))
+    return logits
+
+
+def make_rows(batch: int, vocab: int, make: Callable[[int], SamplingParams]) -> list:
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(batch):
+        params = make(i)
+        history = params.needs_token_history
+        prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (OUTPUT_LEN,), generator=gen).tolist()
+        rows.append(
+            ScheduledSequence(
+                seq_id=i,
+                request_id=str(i),
+                token_ids=(output[-1],),
+                start_pos=PROMPT_LEN + OUTPUT_LEN - 1,
+                block_table=(),
+                sample=True,
+                params=params,
+                output_index=OUTPUT_LEN,
+                prompt_token_ids=tuple(prompt) if history else (),
+                output_token_ids=tuple(output) if history else (),
+            )
+        )
+    return rows
+
+
+MIXES: dict[str, Callable[[int], SamplingParams]] = {
+    "all greedy": lambda i: SamplingParams(temperature=0.0),
+    "temperature 0.8 + top_p 0.95": lambda i: SamplingParams(temperature=0.8, top_p=0.95),
+    "top_k 50 + rep/pres/freq penalties": lambda i: SamplingParams(
+        top_k=50, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3
+    ),
+    "seeded, temperature 1.0": lambda i: SamplingParams(seed=i),
+    "mixed (greedy/top_p/top_k/min_p/seeded/logprobs)": lambda i: [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(top_k=40, top_p=0.95, logprobs=5),
+        SamplingParams(min_p=0.05, seed=i),
+    ][i % 4],
+}
+
+
+def time_fn(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median wall and median process CPU seconds of ``fn()`` after one warm-up call. On a
+    shared machine with --threads 1, CPU time is what the wall time would be on an idle core."""
+    fn()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - w)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def primitives(batch: int, vocab: int, repeats: int) -> list[tuple[str, tuple[float, float]]]:
+    """The design choices measured against the textbook alternative, on the same data."""
+    gen = torch.Generator().manual_seed(2)
+    z = make_logits(batch, vocab, "flat")
+    p = torch.exp(z - z.amax(dim=-1, keepdim=True))
+    u = torch.rand(batch, generator=gen, dtype=torch.float64)
+    # Preallocated outputs, so that neither side pays for page faults.
+    vals, ids, noise = (
+        torch.empty_like(z),
+        torch.empty_like(z, dtype=torch.int64),
+        torch.empty_like(p),
+    )
+    cases = {
+        "top-p cut-off: full sort (textbook)": lambda: torch.sort(
+            z, dim=-1, descending=True, out=(vals, ids)
+        ),
+        "top-p cut-off: top-256 candidates (ours)": lambda: z.topk(256, dim=-1),
+        "draw: exponential race, noise + argmax (vLLM)": lambda: torch.div(
+            p, noise.exponential_(generator=gen), out=noise
+        ).argmax(dim=-1),
+        "draw: one uniform per row, inverse CDF (ours)": lambda: _inverse_cdf(p, u),
+    }
+    return [(name, time_fn(fn, repeats)) for name, fn in cases.items()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--top-p-candidates", type=int, default=None)
+    ap.add_argument("--shapes", default="peaked,flat")
+    ap.add_argument("--mixes", default=None, help="comma-separated substrings of mix names")
+    ap.add_argument("--primitives", action="store_true", help="also time the design choices")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampler = (
+        Sampler(frozenset({0}), seed=0)
+        if args.top_p_candidates is None
+        else Sampler(frozenset({0}), seed=0, top_p_candidates=args.top_p_candidates)
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} "
+        f"x vocab {args.vocab}, median of {args.repeats}; load average {os.getloadavg()}"
+    )
+    print(f"{'logits':7s} {'mix':50s} {'wall ms':>9s} {'cpu ms':>9s}")
+    results = []
+    for shape in args.shapes.split(","):
+        logits = make_logits(args.batch, args.vocab, shape)
+        for name, make in MIXES.items():
+            if args.mixes and not any(m in name for m in args.mixes.split(",")):
+                continue
+            rows = make_rows(args.batch, args.vocab, make)
+            wall, cpu = time_fn(lambda x=logits, r=rows: sampler(x, r), args.repeats)
+            results.append(
+                {"logits": shape, "mix": name, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3}
+            )
+            print(f"{shape:7s} {name:50s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f}")
+    if args.primitives:
+        for name, (wall, cpu) in primitives(args.batch, args.vocab, args.repeats):
+            results.append({"primitive": name, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3})
+            print(f"{name:58s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,622 @@
+"""Vectorized sampler: one pass over the whole batch with per-row parameters.
+
+Pipeline for each row (the order vLLM uses; HF transformers applies the same warpers in the
+same order):
+
+1. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf`` until the
+   sequence has generated ``min_tokens`` tokens.
+2. ``logit_bias`` is added.
+3. Repetition penalty (HF definition, over prompt + output tokens), then presence and
+   frequency penalties (OpenAI definition, over output tokens only).
+4. Temperature. (Implemented as one division of the whole batch *first*, with the bias and
+   penalty amounts divided alike: every step above commutes with a positive scale, and the
+   division doubles as the copy that keeps the raw logits intact.)
+5. Greedy rows (temperature 0) take the argmax and skip the rest.
+6. Top-k, top-p (on the top-k survivors, renormalised) and min-p. Each filter becomes one
+   cut-off value per row; a token survives when its scaled logit is at least the row's
+   largest cut-off, so ties are always kept or dropped together.
+7. One uniform number per row picks the token by inverse CDF over the survivors in
+   vocabulary order. A seeded row draws its number from (seed, output_index) only, so the
+   token it gets does not depend on what else is in the batch.
+
+Logprobs are ``log_softmax`` of the *raw* model logits (vLLM's default ``raw_logprobs``
+mode): what the model thinks, before penalties, bias, temperature and filters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from core.outputs import Logprob
+from core.scheduler import ScheduledSequence
+
+_CDF_CHUNK = 1024
+"""Inverse CDF works on chunks of this many tokens: a float32 sum per chunk, a float64
+cumulative sum over chunks, then a float64 cumulative sum inside the chosen chunk only.
+This keeps each token's share exact to ~1e-7 of its chunk's mass without a float64 pass
+over the whole vocabulary."""
+
+_TOP_P_CANDIDATES = 256
+"""Default for ``Sampler(top_p_candidates=...)``."""
+
+_SORT_ROWS = 16
+"""Rows per full sort in the top-p fallback (16 x 128k floats = 8 MB per temporary)."""
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """The sampler's result for one step; lists are in the order of the input rows."""
+
+    token_ids: list[int]
+    """The chosen token of each row."""
+    logprobs: list[float]
+    """log_softmax of the raw model logits at the chosen token (before any processing)."""
+    top_logprobs: list[dict[int, Logprob] | None]
+    """When ``params.logprobs`` is set: the top-k raw logprobs plus the chosen token, each
+    with its rank (1 = most likely); otherwise None."""
+
+
+class _Scratch:
+    """Buffers reused across calls, by role name.
+
+    On CPU a fresh [256, 128k] float32 tensor costs more in page faults (~50 ms) than the
+    arithmetic done in it (~7 ms for a subtraction), and the allocator returns such blocks
+    to the OS each time; reusing them removes that cost. Roles and lifetimes in one call:
+    ``exp`` (logsumexp temporary, then the sampling weights), ``work`` (scaled logits, then
+    the logprob rows), ``rows`` (the random rows of ``work``), ``sub`` (row subsets inside
+    the filters), ``mask`` (comparison masks). No buffer escapes a call.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        like: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        dtype = dtype or like.dtype
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != like.device:
+            buf = torch.empty(n, dtype=dtype, device=like.device)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+    def rows(self, name: str, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x[idx]: x itself when idx is every row, else a copy into buffer ``name``."""
+        if len(idx) == x.shape[0]:
+            return x
+        return torch.index_select(x, 0, idx, out=self.get(name, (len(idx), x.shape[1]), x))
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Per-row parameters of one step as tensors, and which optional stages are needed."""
+
+    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # [B] float32 (1 for greedy rows, never used for them)
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float64, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    needs_processing: bool  # any min_tokens mask, logit bias or penalty this step
+
+    @staticmethod
+    def build(rows: Sequence[ScheduledSequence], vocab_size: int, device: torch.device) -> _Batch:
+        ps = [r.params for r in rows]
+        greedy = [p.greedy for p in ps]
+        processing = any(
+            p.logit_bias or p.needs_token_history or r.output_index < p.min_tokens
+            for r, p in zip(rows, ps)
+        )
+        return _Batch(
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, ps)],
+                dtype=torch.float32,
+                device=device,
+            ),
+            top_k=torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps],
+                dtype=torch.int64,
+                device=device,
+            ),
+            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=device),
+            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+            needs_processing=processing,
+        )
+
+
+class Sampler:
+    """Turns one step's logits into tokens and logprobs for every scheduled row.
+
+    An instance keeps scratch buffers between calls, so it must not be called from two
+    threads at once (the engine calls it from its step loop only).
+
+    :param eos_token_ids: the model's end-of-sequence ids, masked while a row is below its
+        ``min_tokens`` (unless the row sets ``ignore_eos``).
+    :param seed: seeds the generator used by rows without their own seed; None draws a
+        fresh seed from the OS.
+    :param top_p_candidates: top-p first looks for its cut-off among this many most likely
+        tokens of a row and sorts the whole row only when the nucleus is larger (0: always
+        sort, the textbook method). The result is the same either way.
+    """
+
+    def __init__(
+        self,
+        eos_token_ids: frozenset[int] = frozenset(),
+        seed: int | None = None,
+        top_p_candidates: int = _TOP_P_CANDIDATES,
+    ):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.top_p_candidates = top_p_candidates
+        self._ws = _Scratch()
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[ScheduledSequence],
+        vocab_size: int | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        :param logits: [len(rows), V'] float32, one row per sampled sequence, same order
+        :param rows: the scheduled sequences with ``sample=True``
+        :param vocab_size: the real vocabulary; columns beyond it (padding of the LM head)
+            are never sampled. Default: all of ``logits``' columns.
+        """
+        logits = _check_logits(logits, len(rows), vocab_size)
+        if not rows:
+            return SamplerOutput([], [], [])
+        batch = _Batch.build(rows, logits.shape[1], logits.device)
+        top, argmax = logits.max(dim=-1)
+        lse = _logsumexp(logits, top, self._ws.get("exp", logits.shape, logits))
+        if bool(batch.greedy.all()) and not batch.needs_processing:
+            chosen, tokens = top, argmax  # fast path: nothing changes the argmax
+        else:
+            tokens = self._choose(logits, rows, batch)
+            chosen = logits.gather(1, tokens[:, None])[:, 0]
+        ks = [r.params.logprobs for r in rows]
+        tops = [None] * len(rows)
+        if any(k is not None for k in ks):
+            tops = _top_logprobs(logits, lse, tokens, ks, self._ws)
+        return SamplerOutput(tokens.tolist(), (chosen - lse).tolist(), tops)
+
+    def distribution(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[ScheduledSequence],
+        vocab_size: int | None = None,
+    ) -> torch.Tensor:
+        """The exact distribution each row's token is drawn from: [len(rows), V] float32,
+        rows sum to 1 (one-hot at the processed argmax for greedy rows). Same processing as
+        ``__call__``; for inspection and tests, not the hot path."""
+        logits = _check_logits(logits, len(rows), vocab_size)
+        batch = _Batch.build(rows, logits.shape[1], logits.device)
+        work = self._scaled(logits, rows, batch)
+        out = torch.zeros_like(logits)
+        greedy = batch.greedy.nonzero()[:, 0]
+        rand = (~batch.greedy).nonzero()[:, 0]
+        if len(greedy):
+            out[greedy, self._ws.rows("sub", work, greedy).argmax(dim=-1)] = 1.0
+        if len(rand):
+            w = self._weights(work, rand, batch)
+            out[rand] = w / w.sum(dim=-1, keepdim=True)
+        return out
+
+    def _choose(
+        self, logits: torch.Tensor, rows: Sequence[ScheduledSequence], batch: _Batch
+    ) -> torch.Tensor:
+        work = self._scaled(logits, rows, batch)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        greedy = batch.greedy.nonzero()[:, 0]
+        rand = (~batch.greedy).nonzero()[:, 0]
+        if len(greedy):
+            tokens[greedy] = self._ws.rows("sub", work, greedy).argmax(dim=-1)
+        if len(rand):
+            w = self._weights(work, rand, batch)
+            u = self._uniforms([rows[i] for i in rand.tolist()]).to(logits.device)
+            tokens[rand] = _inverse_cdf(w, u)
+        return tokens
+
+    def _scaled(
+        self, logits: torch.Tensor, rows: Sequence[ScheduledSequence], batch: _Batch
+    ) -> torch.Tensor:
+        """``logits / temperature`` (greedy rows count as temperature 1) after min_tokens,
+        logit_bias and penalties; ``logits`` itself (never written) when that changes
+        nothing."""
+        scale = bool((batch.temperature != 1.0).any())
+        if not scale and not batch.needs_processing:
+            return logits
+        work = self._ws.get("work", logits.shape, logits)
+        if scale:
+            torch.div(logits, batch.temperature[:, None], out=work)
+        else:
+            work.copy_(logits)
+        if batch.needs_processing:
+            inv_t = batch.temperature.reciprocal()
+            _mask_min_tokens(work, rows, self.eos_token_ids)
+            _add_logit_bias(work, rows, inv_t)
+            _apply_penalties(work, rows, inv_t)
+        return work
+
+    def _weights(self, work: torch.Tensor, rand: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """Unnormalised sampling weights [len(rand), V] of the non-greedy rows ``rand``."""
+        return _filter(
+            self._ws.rows("rows", work, rand),
+            batch.top_k[rand],
+            batch.top_p[rand],
+            batch.min_p[rand],
+            self.top_p_candidates,
+            self._ws,
+        )
+
+    def _uniforms(self, rows: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """One uniform in [0, 1) per row: from (seed, output_index) for seeded rows, from
+        the sampler's generator for the others."""
+        u = torch.rand(len(rows), generator=self._generator, dtype=torch.float64)
+        seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
+        if seeded:
+            vals = [_seeded_uniform(rows[i].params.seed, rows[i].output_index) for i in seeded]
+            u[seeded] = torch.tensor(vals, dtype=torch.float64)
+        return u
+
+
+def _check_logits(logits: torch.Tensor, num_rows: int, vocab_size: int | None) -> torch.Tensor:
+    if logits.dim() != 2 or logits.shape[0] != num_rows:
+        raise ValueError(
+            f"sampler got logits of shape {tuple(logits.shape)} for {num_rows} rows; "
+            f"expected [{num_rows}, vocab] (one row per sequence with sample=True)"
+        )
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if vocab_size is not None:
+        if vocab_size > logits.shape[1]:
+            raise ValueError(
+                f"vocab_size {vocab_size} is larger than the logits' {logits.shape[1]} columns"
+            )
+        logits = logits[:, :vocab_size]
+    return logits
+
+
+def _logsumexp(logits: torch.Tensor, row_max: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp reusing the row maxima already computed, in the scratch ``buf``."""
+    shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    return torch.sub(logits, shift[:, None], out=buf).exp_().sum(dim=-1).log_().add_(shift)
+
+
+def _seeded_uniform(seed: int, index: int) -> float:
+    """The ``index``-th output of SplitMix64 started at ``seed``, as a float in [0, 1).
+
+    A counter-based draw: token ``index`` of a seeded request gets the same number whatever
+    the batch, the step or the process, with no generator state to carry between steps.
+    """
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def _flat_ids(
+    rows: Sequence[ScheduledSequence],
+    picks: Sequence[int],
+    ids_of: Callable[[ScheduledSequence], Sequence[int]],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs, flattened over the picked rows."""
+    lists = [ids_of(rows[i]) for i in picks]
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    r = torch.repeat_interleave(torch.tensor(picks, dtype=torch.int64), lengths)
+    c = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+    return r.to(device), c.to(device)
+
+
+def _check_ids(c: torch.Tensor, vocab_size: int, what: str) -> None:
+    if len(c) and (int(c.max()) >= vocab_size or int(c.min()) < 0):
+        bad = sorted({int(t) for t in c if t >= vocab_size or t < 0})[:5]
+        raise ValueError(
+            f"{what} contains token id(s) {bad} outside the vocabulary of {vocab_size} "
+            f"tokens (ids 0..{vocab_size - 1})"
+        )
+
+
+def _mask_min_tokens(
+    logits: torch.Tensor, rows: Sequence[ScheduledSequence], eos: frozenset[int]
+) -> None:
+    """EOS and stop tokens cannot be chosen before ``min_tokens`` tokens exist."""
+
+    def stops(row: ScheduledSequence) -> list[int]:
+        ids = set(row.params.stop_token_ids)
+        if not row.params.ignore_eos:
+            ids |= eos
+        return sorted(ids)
+
+    picks = [i for i, r in enumerate(rows) if r.output_index < r.params.min_tokens]
+    if not picks:
+        return
+    r, c = _flat_ids(rows, picks, stops, logits.device)
+    _check_ids(c, logits.shape[1], "stop_token_ids / eos_token_ids")
+    logits[r, c] = float("-inf")
+
+
+def _add_logit_bias(
+    logits: torch.Tensor, rows: Sequence[ScheduledSequence], inv_t: torch.Tensor
+) -> None:
+    picks = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not picks:
+        return
+    r, c = _flat_ids(rows, picks, lambda row: list(row.params.logit_bias), logits.device)
+    _check_ids(c, logits.shape[1], "logit_bias")
+    bias = [v for i in picks for v in rows[i].params.logit_bias.values()]
+    bias_t = torch.tensor(bias, dtype=logits.dtype, device=logits.device) * inv_t[r]
+    logits.index_put_((r, c), bias_t, accumulate=True)
+
+
+def _apply_penalties(
+    logits: torch.Tensor, rows: Sequence[ScheduledSequence], inv_t: torch.Tensor
+) -> None:
+    """Repetition (HF: seen logits > 0 divided, < 0 multiplied; prompt and output), then
+    OpenAI presence/frequency (``-= frequency * count + presence * (count > 0)``, output
+    only), on logits already scaled by ``inv_t`` per row (the subtracted amounts are
+    scaled alike; the repetition penalty is scale-free). Works on the unique (row, token)
+    pairs of the history, never the whole vocabulary."""
+    vocab, dev = logits.shape[1], logits.device
+    _check_history(rows)
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        r, c = _flat_ids(rows, rep, lambda row: row.prompt_token_ids + row.output_token_ids, dev)
+        _check_ids(c, vocab, "token history")
+        key = torch.unique(r * vocab + c)
+        r, c = key // vocab, key % vocab
+        penalty = _per_row(rows, "repetition_penalty", dev)[r]
+        g = logits[r, c]
+        logits[r, c] = torch.where(g > 0, g / penalty, g * penalty)
+    pf = [
+        i
+        for i, row in enumerate(rows)
+        if (row.params.presence_penalty or row.params.frequency_penalty) and row.output_token_ids
+    ]
+    if pf:
+        r, c = _flat_ids(rows, pf, lambda row: row.output_token_ids, dev)
+        _check_ids(c, vocab, "output token history")
+        key, counts = torch.unique(r * vocab + c, return_counts=True)
+        r, c = key // vocab, key % vocab
+        freq = _per_row(rows, "frequency_penalty", dev)[r]
+        pres = _per_row(rows, "presence_penalty", dev)[r]
+        logits[r, c] -= (freq * counts + pres) * inv_t[r]
+
+
+def _per_row(rows: Sequence[ScheduledSequence], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) for r in rows], device=device)
+
+
+def _check_history(rows: Sequence[ScheduledSequence]) -> None:
+    """Penalties need the history the scheduler promises to fill; an empty prompt or an
+    output list that disagrees with output_index means it was not filled."""
+    for i, row in enumerate(rows):
+        if not row.params.needs_token_history:
+            continue
+        if not row.prompt_token_ids or len(row.output_token_ids) != row.output_index:
+            raise ValueError(
+                f"row {i} (request {row.request_id!r}) uses penalties but carries "
+                f"{len(row.prompt_token_ids)} prompt ids and {len(row.output_token_ids)} output "
+                f"ids for output_index {row.output_index}; the scheduler must fill "
+                "prompt_token_ids and output_token_ids when params.needs_token_history"
+            )
+
+
+def _filter(
+    z: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    candidates: int,
+    ws: _Scratch,
+) -> torch.Tensor:
+    """Weights ``exp(z - max)`` of scaled logits ``z`` [R, V] with tokens below each
+    row's top-k / top-p / min-p cut-off set to 0, in scratch ``exp``. ``z`` is only read."""
+    z_max = z.amax(dim=-1)
+    k_cut = torch.full((z.shape[0],), float("-inf"), device=z.device)
+    has_k = top_k > 0
+    if bool(has_k.any()):
+        idx = has_k.nonzero()[:, 0]
+        kth = ws.rows("sub", z, idx).topk(int(top_k[idx].max()), dim=-1).values
+        k_cut[idx] = kth.gather(1, (top_k[idx] - 1)[:, None])[:, 0]
+    cut = k_cut
+    if bool((min_p > 0).any()):
+        cut = torch.maximum(cut, z_max + torch.log(min_p))  # p_i >= min_p * p_max
+    p = torch.sub(z, z_max[:, None], out=ws.get("exp", z.shape, z)).exp_()
+    has_p = top_p < 1.0
+    if bool(has_p.any()):
+        idx = has_p.nonzero()[:, 0]
+        p_cut = _top_p_cutoff(
+            z, p, idx, z_max[idx], k_cut[idx], top_k[idx], top_p[idx], candidates, ws
+        )
+        cut = cut.index_put((idx,), torch.maximum(cut[idx], p_cut))
+    if bool((cut > float("-inf")).any()):
+        p.masked_fill_(torch.lt(z, cut[:, None], out=ws.get("mask", z.shape, z, torch.bool)), 0.0)
+    return p
+
+
+def _top_p_cutoff(
+    z: torch.Tensor,
+    p: torch.Tensor,
+    idx: torch.Tensor,
+    z_max: torch.Tensor,
+    k_cut: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    candidates: int,
+    ws: _Scratch,
+) -> torch.Tensor:
+    """The smallest scaled logit top-p keeps, for the rows ``idx`` of ``z``.
+
+    The top-p set is taken on the distribution after top-k (tokens with z >= ``k_cut``):
+    a token is kept while the mass of the tokens above it is below ``top_p``. The cut-off
+    is searched among the first ``candidates`` sorted values (at least top_k + 1); rows
+    whose nucleus reaches past them are sorted in full.
+    """
+    vocab = z.shape[1]
+    zi = ws.rows("sub", z, idx)
+    with_k = top_k > 0
+    # Rows without top-k normalise over the whole row; rows with top-k over their
+    # candidates, which then hold every survivor (checked below).
+    mass = torch.where(with_k, float("nan"), _chunk_sums(p).sum(dim=-1)[idx])
+    k = min(vocab, max(candidates, int(top_k.max()) + 1))
+    if candidates <= 0 or k == vocab:
+        every = torch.arange(len(idx), device=z.device)
+        return _sorted_cutoffs(zi, every, z_max, k_cut, top_p, mass)
+    vals = zi.topk(k, dim=-1).values
+    cutoff, kept = _nucleus(vals, z_max, k_cut, top_p, mass)
+    covered = (kept < k) & (~with_k | (vals[:, -1] < k_cut))
+    if not bool(covered.all()):
+        miss = (~covered).nonzero()[:, 0]
+        cutoff[miss] = _sorted_cutoffs(zi, miss, z_max[miss], k_cut[miss], top_p[miss], mass[miss])
+    return cutoff
+
+
+def _sorted_cutoffs(
+    z: torch.Tensor,
+    rows: torch.Tensor,
+    z_max: torch.Tensor,
+    k_cut: torch.Tensor,
+    top_p: torch.Tensor,
+    mass: torch.Tensor,
+) -> torch.Tensor:
+    """Top-p cut-offs of ``z[rows]`` from full sorts (the other tensors are per ``rows``),
+    a few rows at a time so that the sort's temporaries stay small enough for the
+    allocator to reuse instead of faulting in fresh pages for each."""
+    out = torch.empty(len(rows), dtype=z.dtype, device=z.device)
+    for start in range(0, len(rows), _SORT_ROWS):
+        b = slice(start, start + _SORT_ROWS)
+        vals = z.index_select(0, rows[b]).sort(dim=-1, descending=True).values
+        out[b] = _nucleus(vals, z_max[b], k_cut[b], top_p[b], mass[b])[0]
+    return out
+
+
+def _nucleus(
+    vals: torch.Tensor,
+    z_max: torch.Tensor,
+    k_cut: torch.Tensor,
+    top_p: torch.Tensor,
+    mass: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over descending ``vals`` [n, K] (each row's largest is ``z_max``). ``mass`` is
+    each row's total weight ``sum(exp(z - z_max))``, or NaN to use the candidates' own
+    (top-k rows). Returns the cut-off value and how many candidates are kept."""
+    q = torch.sub(vals, z_max[:, None]).exp_().masked_fill_(vals < k_cut[:, None], 0.0).double()
+    cum = q.cumsum(dim=-1)
+    total = torch.where(torch.isnan(mass), cum[:, -1], mass)
+    above = cum - q  # mass of the more likely candidates
+    kept = (above < (top_p * total)[:, None]).sum(dim=-1)  # >= 1: above[0] == 0
+    return vals.gather(1, (kept - 1)[:, None])[:, 0], kept
+
+
+def _chunk_sums(p: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R, ceil(V / chunk)] float64: float32 sums of consecutive chunks."""
+    vocab = p.shape[1]
+    whole = vocab // _CDF_CHUNK * _CDF_CHUNK
+    parts = []
+    if whole:
+        parts.append(p[:, :whole].unflatten(1, (whole // _CDF_CHUNK, _CDF_CHUNK)).sum(dim=-1))
+    if whole < vocab:
+        parts.append(p[:, whole:].sum(dim=-1, keepdim=True))
+    return torch.cat(parts, dim=1).double()
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row drawn from unnormalised weights ``p`` [R, V] (>= 0, row sum > 0): the
+    first token whose cumulative weight exceeds ``u * total``, in vocabulary order."""
+    vocab = p.shape[1]
+    csum = _chunk_sums(p).cumsum(dim=-1)
+    target = u * csum[:, -1]
+    chunk = torch.searchsorted(csum, target[:, None], right=True)[:, 0]
+    chunk.clamp_(max=csum.shape[1] - 1)
+    base = torch.where(chunk > 0, csum.gather(1, (chunk - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    width = min(_CDF_CHUNK, vocab)  # a small vocabulary is a single, narrower chunk
+    cols = chunk[:, None] * _CDF_CHUNK + torch.arange(width, device=p.device)
+    inside = cols < vocab
+    local = p.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(~inside, 0.0).double()
+    lcum = base[:, None] + local.cumsum(dim=-1)
+    j = torch.searchsorted(lcum, target[:, None], right=True)[:, 0].clamp_(max=width - 1)
+    bad = local.gather(1, j[:, None])[:, 0] <= 0
+    if bool(bad.any()):
+        # Rounding put the target past the chunk's last positive weight: take that weight.
+        pos = torch.arange(width, device=p.device).expand_as(local)
+        ok = (local > 0) & (pos <= j[:, None])
+        last = torch.where(ok, pos, -1).amax(dim=-1)
+        j = torch.where(bad & (last >= 0), last, j)
+    return cols.gather(1, j[:, None])[:, 0]
+
+
+def _top_logprobs(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    tokens: torch.Tensor,
+    ks: Sequence[int | None],
+    ws: _Scratch,
+) -> list[dict[int, Logprob] | None]:
+    """Per row with k set: the k largest log_softmax entries (ranks 1..k) plus ``tokens``'
+    entry with rank 1 + the number of strictly more likely tokens."""
+    out: list[dict[int, Logprob] | None] = [None] * len(ks)
+    picks = [i for i, k in enumerate(ks) if k is not None]
+    idx = torch.tensor(picks, dtype=torch.int64, device=logits.device)
+    x = ws.rows("work", logits, idx)
+    kmax = min(max(ks[i] for i in picks), x.shape[1])
+    top_vals, top_ids = x.topk(kmax, dim=-1)
+    top_lp = (top_vals - lse[idx, None]).tolist()
+    chosen = x.gather(1, tokens[idx, None])
+    ranks = (torch.gt(x, chosen, out=ws.get("mask", x.shape, x, torch.bool)).sum(-1) + 1).tolist()
+    chosen_lp = (chosen[:, 0] - lse[idx]).tolist()
+    top_ids_l, token_l = top_ids.tolist(), tokens.tolist()
+    for n, i in enumerate(picks):
+        k = min(ks[i], kmax)
+        d = {
+            t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(zip(top_ids_l[n][:k], top_lp[n][:k]))
+        }
+        tok = token_l[i]
+        if tok not in d:
+            d[tok] = Logprob(chosen_lp[n], ranks[n])
+        out[i] = d
+    return out
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
+) -> list[dict[int, Logprob]]:
+    """Logprobs of a prompt: position i's logits scored against the prompt token i + 1.
+
+    :param logits: [N, V] logits of N prompt positions
+    :param next_token_ids: [N] the token that actually follows each position
+    :param k: how many top entries to add besides the actual token (0 = only it)
+    :return: per position, ``{token: Logprob}`` with the top-k (ranks 1..k) and the actual
+        next token (its true rank)
+    """
+    if logits.dim() != 2 or next_token_ids.shape != (logits.shape[0],):
+        raise ValueError(
+            f"prompt_logprobs needs logits [N, V] and next_token_ids [N]; got "
+            f"{tuple(logits.shape)} and {tuple(next_token_ids.shape)}"
+        )
+    if logits.shape[0] == 0:
+        return []
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    tokens = next_token_ids.to(device=logits.device, dtype=torch.int64)
+    per_pos = _top_logprobs(logits, lse, tokens, [k] * logits.shape[0], _Scratch())
+    return [d for d in per_pos if d is not None]
