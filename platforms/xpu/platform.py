@@ -1,0 +1,134 @@
+"""The Intel XPU platform: IPEX paged attention on an Intel GPU, or on IPEX's CPU kernels.
+
+Probe policy (side-effect free: IPEX is located with ``find_spec``, never imported):
+
+* IPEX not installed -> score 0 (unusable; the reason says ``pip install 'core[xpu]'``);
+* IPEX installed and ``torch.xpu`` sees devices -> score 100, device ``xpu``;
+* IPEX installed, no XPU device -> score 1 with a reason saying it runs on IPEX's CPU
+  kernels. That ties with the CPU platform on purpose: automatic selection then refuses
+  and asks the user to choose, so a host never lands on the emulation by accident, while
+  ``--platform xpu`` selects it explicitly (this is how it is verified on x86 CI).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from typing import Any
+
+import torch
+
+from core.attention import AttentionBackend, AttentionSpec
+from core.platform import Capability, Platform, ProbeResult
+from platforms.cpu.platform import DEFAULT_KV_CACHE_BYTES, _available_memory
+from platforms.xpu.attention import XpuAttentionBackend
+
+IPEX_DIST = "intel-extension-for-pytorch"
+
+
+def xpu_device_count() -> int:
+    """Intel GPUs torch can see (0 on builds without XPU support)."""
+    xpu = getattr(torch, "xpu", None)
+    return int(xpu.device_count()) if xpu is not None and xpu.is_available() else 0
+
+
+class XpuPlatform(Platform):
+    name = "xpu"
+    device_type = "xpu"
+    dispatch_key = "XPU"
+    capabilities = frozenset({Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY})
+    """On an Intel GPU; an instance running on IPEX's CPU kernels has none of these."""
+    verification = "emulated on CPU (IPEX CPU kernels)"
+    device_visibility_env = "ZE_AFFINITY_MASK"
+
+    def __init__(self) -> None:
+        self.on_device = xpu_device_count() > 0
+        if not self.on_device:
+            # IPEX's CPU kernels: tensors live on the host
+            self.device_type = "cpu"
+            self.dispatch_key = "CPU"
+            self.capabilities = frozenset()
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+            return ProbeResult(
+                0, "intel-extension-for-pytorch is not installed; pip install 'core[xpu]'"
+            )
+        version = importlib.metadata.version(IPEX_DIST)
+        n = xpu_device_count()
+        if n:
+            return ProbeResult(100, f"{n} Intel XPU device(s), IPEX {version}")
+        return ProbeResult(
+            1,
+            f"IPEX {version} present, no XPU device: runs on IPEX's CPU kernels (emulation); "
+            f"select it explicitly with --platform xpu",
+        )
+
+    # ---- device facts -----------------------------------------------------------------
+    def device_count(self) -> int:
+        return xpu_device_count() if self.on_device else 1
+
+    def memory_info(self, device_index: int = 0) -> tuple[int, int]:
+        if not self.on_device:
+            return _available_memory()
+        free, total = torch.xpu.mem_get_info(device_index)
+        return int(free), int(total)
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        if self.on_device:
+            return (torch.bfloat16, torch.float16, torch.float32)
+        return (torch.float32, torch.bfloat16)
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        if not self.on_device:
+            return torch.float32  # exact against the CPU reference; bf16 is opt-in
+        return super().default_dtype(checkpoint_dtype)
+
+    def supported_block_sizes(self) -> tuple[int, ...]:
+        return (16, 32, 64)
+
+    def attention_backend_class(
+        self, spec: AttentionSpec, requested: str | None = None
+    ) -> type[AttentionBackend]:
+        if requested not in (None, XpuAttentionBackend.name):
+            raise ValueError(
+                f"attention backend {requested!r} is not built into platform 'xpu' (it has "
+                f"{XpuAttentionBackend.name!r}); a plugin can add one via core_attention_backends"
+            )
+        return XpuAttentionBackend
+
+    def kv_cache_budget(
+        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
+    ) -> int:
+        if requested_bytes is not None or self.on_device:
+            return super().kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
+        available, _ = _available_memory()
+        return min(DEFAULT_KV_CACHE_BYTES, available // 4)
+
+    # ---- distributed and runtime ---------------------------------------------------------
+    def distributed_backend(self) -> str:
+        return "xccl" if self.on_device else "gloo"
+
+    def synchronize(self) -> None:
+        if self.on_device:
+            torch.xpu.synchronize()
+
+    def empty_cache(self) -> None:
+        if self.on_device:
+            torch.xpu.empty_cache()
+
+    def set_device(self, index: int) -> None:
+        if self.on_device:
+            torch.xpu.set_device(index)
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)  # seeds the CPU and every XPU generator
+
+    def get_extension(self, name: str) -> Any:
+        """``"ipex"``: the intel_extension_for_pytorch module; anything else: None."""
+        if name == "ipex":
+            import intel_extension_for_pytorch
+
+            return intel_extension_for_pytorch
+        return None

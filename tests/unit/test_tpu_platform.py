@@ -1,0 +1,194 @@
+"""The TPU platform: import hygiene and probe everywhere; the XLA backend against the
+float64 reference, and the no-recompile guarantee of steady-state decoding, where
+torch-xla is installed (tests/envs/tpu.sh builds that environment and runs XLA on the
+CPU with PJRT_DEVICE=CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import platforms.tpu
+from core.conformance.harness import SENTINEL, PagedCase, make_spec, mismatch, seeded
+from core.platform import Capability
+from core.plugins import Plugins
+from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
+from platforms.tpu.platform import TpuPlatform
+
+HAVE_XLA = importlib.util.find_spec("torch_xla") is not None
+
+
+def test_importing_the_plugin_and_probing_import_no_torch_xla():
+    code = (
+        "import sys, platforms.tpu\n"
+        "from platforms.tpu.platform import TpuPlatform\n"
+        "TpuPlatform.probe()\n"
+        "assert 'torch_xla' not in sys.modules, 'torch_xla was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_plugin_registers_the_platform():
+    plugins = Plugins()
+    plugins.register(platforms.tpu, "tpu")
+    assert plugins.platforms()["tpu"] == ("tpu", TpuPlatform)
+
+
+def test_probe_says_what_is_missing_or_how_it_runs():
+    probe = TpuPlatform.probe()
+    if not HAVE_XLA:
+        assert probe.score == 0 and "pip install 'core[tpu]'" in probe.reason
+    elif "no TPU found" in probe.reason:
+        assert probe.score == 1 and "--platform tpu" in probe.reason
+    else:
+        assert probe.score == 100 and "TPU chip" in probe.reason
+
+
+def test_pallas_is_used_only_where_the_kernel_fits():
+    assert not PallasTpuAttentionBackend(make_spec(torch.bfloat16, 16)).use_pallas  # head 64
+    fits = make_spec(torch.bfloat16, 16)
+    fits = type(fits)(8, 2, 128, torch.bfloat16, 16)
+    assert PallasTpuAttentionBackend(fits).use_pallas
+    assert not TpuAttentionBackend(fits).use_pallas
+    windowed = type(fits)(8, 2, 128, torch.bfloat16, 16, sliding_window=64)
+    assert not PallasTpuAttentionBackend(windowed).use_pallas
+
+
+# ---- with torch-xla ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def platform() -> TpuPlatform:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")  # before the XLA runtime starts
+    pytest.importorskip("torch_xla", reason="needs torch-xla (tests/envs/tpu.sh)")
+    return TpuPlatform()
+
+
+@pytest.fixture(scope="module")
+def metrics(platform):
+    return platform.get_extension("metrics")
+
+
+def test_platform_facts(platform):
+    import torch.distributed as dist
+
+    assert platform.device(0).type == "xla"
+    assert {Capability.STATIC_SHAPES, Capability.GRAPH_CAPTURE} <= platform.capabilities
+    backend = platform.distributed_backend()
+    import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
+
+    assert backend == "xla" and backend in dist.Backend.backend_list
+    if not platform.on_tpu:
+        assert platform.attention_backend_class(make_spec(torch.float32, 16)) is TpuAttentionBackend
+        with pytest.raises(ValueError, match="need a TPU"):
+            platform.attention_backend_class(make_spec(torch.float32, 16), "pallas_paged")
+
+
+def test_steps_run_in_a_grad_mode_where_xla_can_view_weights(platform):
+    weight = torch.randn(8, 4).to(platform.device(0))  # made outside, like loaded weights
+    x = torch.randn(3, 4).to(platform.device(0))
+    with platform.inference_context():
+        y = torch.nn.functional.linear(x, weight)  # takes weight.t(), a view
+        platform.step_boundary()
+    assert torch.allclose(y.cpu(), x.cpu() @ weight.cpu().t(), atol=1e-5)
+
+
+def _scenario(case: PagedCase, name: str):
+    bs = case.spec.block_size
+    if name == "prefill":
+        seqs = [case.new_seq(n) for n in (bs + 3, 1, 2 * bs)]
+        return [case.step([(s, len(s.keys)) for s in seqs], label=name)]
+    if name == "chunked":
+        a, b = case.new_seq(3 * bs), case.new_seq(bs + 6)
+        steps = ((bs - 3, 5), (bs + 7, bs), (2, 1))
+        return [case.step([(a, na), (b, nb)], label=f"{name} {na}/{nb}") for na, nb in steps]
+    if name == "decode":
+        seqs = [case.new_seq(n + 3) for n in (bs, 2 * bs + 3, 1)]
+        for s, n in zip(seqs, (bs, 2 * bs + 3, 1)):
+            case.write(s, n)
+        return [case.step([], seqs, label=f"{name} {i}") for i in range(3)]
+    a, b, c = case.new_seq(2 * bs), case.new_seq(bs + 2), case.new_seq(bs + 9)
+    first = case.step([(b, bs + 1), (c, 7)], label="mixed setup")
+    return [first, case.step([(a, 2 * bs), (c, bs + 2)], [b], label="mixed")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 11])
+@pytest.mark.parametrize("name", ["prefill", "chunked", "decode", "mixed"])
+def test_forward_matches_reference(platform, dtype, window, name):
+    spec = make_spec(dtype, 16, "gqa", window)
+    case = PagedCase(platform, spec, 24, seeded("tpu", name, dtype, window))
+    results = _scenario(case, name)
+    platform.synchronize()
+    problems = [m for r in results if (m := mismatch(r, dtype))]
+    assert not problems, "\n".join(problems)
+
+
+def test_write_kv_skips_padding_slots(platform):
+    spec = make_spec(torch.float32, 16)
+    case = PagedCase(platform, spec, 8, seeded("tpu padding"))
+    gen = seeded("tpu padding rows")
+    key = torch.randn(6, spec.num_kv_heads, spec.head_size, generator=gen)
+    value = torch.randn(6, spec.num_kv_heads, spec.head_size, generator=gen)
+    dev = case.device
+    slots = torch.tensor([-1, 35, -7, 16, 127, -1])  # padding first, between and last
+    case.backend.write_kv(key.to(dev), value.to(dev), case.cache, slots.to(dev))
+    cache = case.cache.cpu()  # [2, kv_heads, blocks, block, head]
+    for row, slot in ((1, 35), (3, 16), (4, 127)):
+        assert torch.equal(cache[0, :, slot // 16, slot % 16], key[row])
+        assert torch.equal(cache[1, :, slot // 16, slot % 16], value[row])
+    written = 2 * 3 * spec.num_kv_heads * spec.head_size
+    assert case.sentinel_count(cache) == cache.numel() - written
+    pad = torch.tensor([-1, -2]).to(dev)
+    case.backend.write_kv(key[:2].to(dev), value[:2].to(dev), case.cache, pad)  # no-op
+    assert torch.equal(case.cache.cpu(), cache)
+
+
+def test_steady_state_decoding_does_not_recompile(platform, metrics):
+    """Decode steps at a fixed bucket compile nothing new; crossing a bucket does."""
+    spec = make_spec(torch.float32, 16)
+    case = PagedCase(platform, spec, 24, seeded("tpu steady"))
+    # the longest context grows from 3 to 4 blocks of 16 (an exact-width gather would
+    # change shape there) but stays in block bucket 4 until it passes 64 tokens
+    contexts = (20, 30, 36)
+    seqs = [case.new_seq(66) for _ in contexts]
+    for s, n in zip(seqs, contexts):
+        case.write(s, n)
+    platform.synchronize()
+    compiles = []
+    while max(s.cached for s in seqs) < 64:  # this step's longest context stays <= 64
+        result = case.step([], seqs, label=f"decode at {[s.cached for s in seqs]}")
+        platform.synchronize()  # the step boundary the engine marks
+        assert mismatch(result, torch.float32) is None
+        compiles.append(metrics.counter_value("UncachedCompile"))
+    assert len(compiles) >= 10
+    warm = compiles[2]  # the first steps compile the decode graph and the cache update
+    assert compiles[2:] == [warm] * (len(compiles) - 2), f"recompiled: {compiles}"
+    result = case.step([], seqs, label="decode past the bucket")  # context 65: 5 blocks
+    platform.synchronize()
+    assert mismatch(result, torch.float32) is None
+    assert metrics.counter_value("UncachedCompile") > warm  # the counter does see new shapes
+
+
+def test_copy_and_swap_blocks_move_whole_blocks(platform):
+    spec = make_spec(torch.float32, 16)
+    case = PagedCase(platform, spec, 10, seeded("tpu blocks"))
+    host_layers = [torch.randn(case.cache.shape, generator=seeded("layer", i)) for i in range(2)]
+    layers = [h.to(case.device) for h in host_layers]
+    pairs = torch.tensor([[2, 7], [5, 1], [2, 9]])
+    case.backend.copy_blocks(layers, pairs)
+    for old, new in zip(host_layers, layers):
+        want = old.clone()
+        for src, dst in pairs.tolist():
+            want[:, :, dst] = old[:, :, src]
+        assert torch.equal(new.cpu(), want)
+    host = case.backend.allocate_kv_cache(4, "cpu").fill_(SENTINEL)
+    case.backend.swap_blocks(layers[0], host, torch.tensor([[7, 0], [3, 2]]))
+    src = layers[0].cpu()
+    assert torch.equal(host[:, :, 0], src[:, :, 7]) and torch.equal(host[:, :, 2], src[:, :, 3])
+    assert bool((host[:, :, 1] == SENTINEL).all()) and bool((host[:, :, 3] == SENTINEL).all())
