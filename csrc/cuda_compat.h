@@ -21,12 +21,17 @@
 namespace core_kernels {
 
 // ---- warp size -------------------------------------------------------------------------
-// CDNA (MI200/MI300) runs 64-wide wavefronts; RDNA can run 32-wide ones. NVIDIA: 32.
+// CDNA (MI100/MI200/MI300) runs 64-wide wavefronts; NVIDIA: 32. The host pass sizes
+// launches and dynamic shared memory from kWarpSize (DecodeShape::kThreads, kSmemBytes) and
+// sees no GPU target, so on HIP the value is 64 in every pass. HIP runs 64-wide wavefronts
+// on gfx9 targets only (RDNA runs 32-wide ones), so a device pass for any other target
+// would disagree with its own launch: it stops here instead.
 #ifdef USE_ROCM
-#if defined(__AMDGCN_WAVEFRONT_SIZE)
-constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
-#else
 constexpr int kWarpSize = 64;
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+static_assert(__AMDGCN_WAVEFRONT_SIZE == kWarpSize,
+              "csrc/ kernels need 64-wide wavefronts: build for gfx9 (CDNA) targets only, "
+              "e.g. PYTORCH_ROCM_ARCH=gfx90a");
 #endif
 #else
 constexpr int kWarpSize = 32;
@@ -41,6 +46,29 @@ constexpr int kWarpSize = 32;
 constexpr int kCopyStages = 1;
 #else
 constexpr int kCopyStages = 3;
+#endif
+
+// ---- launch bounds -----------------------------------------------------------------------
+// `__launch_bounds__(threads, min_blocks)` is CUDA's: at most `threads` per block, and
+// registers budgeted so that `min_blocks` blocks stay resident per SM. HIP's macro of the
+// same name differs twice: it reads the second argument as waves per SIMD, and, being a
+// preprocessor split on commas, it breaks on a templated thread count such as
+// `Shape<A, B>::kThreads`. On HIP it is redefined here to pass its arguments to constexpr
+// functions (the compiler, not the preprocessor, parses them) and to convert blocks per CU
+// into waves per SIMD: a CDNA CU has 4 SIMDs.
+#ifdef USE_ROCM
+constexpr int kSimdsPerCu = 4;
+constexpr int launch_bounds_threads(int threads, int /*min_blocks*/ = 0) { return threads; }
+constexpr int launch_bounds_waves_per_simd(int threads, int min_blocks = 0) {
+  const int waves_per_block = (threads + kWarpSize - 1) / kWarpSize;
+  const int waves = (min_blocks * waves_per_block + kSimdsPerCu - 1) / kSimdsPerCu;
+  return waves > 1 ? waves : 1;  // 1 = no constraint beyond fitting one wave
+}
+#undef __launch_bounds__
+#define __launch_bounds__(...)                                                         \
+  __attribute__((                                                                      \
+      amdgpu_flat_work_group_size(1, ::core_kernels::launch_bounds_threads(__VA_ARGS__)), \
+      amdgpu_waves_per_eu(::core_kernels::launch_bounds_waves_per_simd(__VA_ARGS__))))
 #endif
 
 // ---- warp collectives ------------------------------------------------------------------
@@ -85,7 +113,13 @@ __device__ __forceinline__ void warp_sync() {
 // 2^x with the hardware's approximate unit; exp2(-inf) = 0 and exp2(-1e30) = 0.
 __device__ __forceinline__ float fast_exp2(float x) {
 #ifdef USE_ROCM
+  // v_exp_f32. Clang < 17 has no builtin for it, but there llvm.exp2.f32 lowers to the
+  // same single instruction.
+#if __has_builtin(__builtin_amdgcn_exp2f)
   return __builtin_amdgcn_exp2f(x);
+#else
+  return __builtin_exp2f(x);
+#endif
 #else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -170,7 +204,23 @@ __device__ __forceinline__ void allow_dependent_launch() {
 
 // ---- host side ---------------------------------------------------------------------------
 // Plain runtime calls (cudaStream_t, cudaMemcpyAsync, <<<...>>>) are left to hipify; only
-// launches whose API differs are wrapped here.
+// launches whose API differs are wrapped here, and the two names hipify produces that HIP's
+// runtime lacks are supplied below.
+#ifdef USE_ROCM
+// CUDA's runtime takes a typed kernel pointer; HIP's only `const void*`. A typed kernel gets
+// this overload (more specialised than any generic one a later HIP may add).
+template <typename... Params>
+inline hipError_t hipFuncSetAttribute(void (*kernel)(Params...), hipFuncAttribute attr,
+                                      int value) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
+// hipify maps cudaErrorMisalignedAddress to this name, which HIP's hipError_t does not have.
+// The kernels return it for a host-side argument check, so HIP reports an invalid value.
+// (A macro, not a constant: it cannot collide with an enumerator a later HIP may add, as
+// HIP's headers are fully included above.)
+#define hipErrorMisalignedAddress hipErrorInvalidValue
+#endif
+
 namespace core_kernels {
 
 // Launches `kernel` so that it may overlap the tail of the previous kernel on `stream` (see

@@ -1,0 +1,176 @@
+"""The ``core_C`` kernels on ROCm: csrc/ hipified into a build directory, compiled with hipcc.
+
+The CUDA sources in ``csrc/`` are the only sources. For ROCm they are copied into a staging
+directory and translated there by :func:`torch.utils.hipify.hipify_python.hipify` (never in
+``csrc/`` itself: the checkout stays CUDA-only), then compiled by torch's extension build,
+which drives hipcc when ``torch.version.hip`` is set. ``csrc/cuda_compat.h`` carries every
+difference hipify cannot express (warp size 64, shuffles, launch bounds, ...).
+
+Two ways in, as on CUDA: ``pip install --no-build-isolation .[rocm]`` with a ROCm build of
+torch compiles ``platforms.rocm._C`` (see setup.py), or a source checkout JIT-builds the same
+sources once with :func:`torch.utils.cpp_extension.load`. Either way the ops appear as
+``torch.ops.core_C.*``, the namespace the CUDA attention backend calls.
+
+This module imports nothing from the project (setup.py loads it by path, before the
+package is importable) and does nothing at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREBUILT_MODULE = "platforms.rocm._C"
+JIT_NAME = "core_C_hip"
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+"""The kernel sources; present in a source checkout, absent from an installed wheel."""
+HIPCC_FLAGS = ("-O3",)
+"""Added to torch's own hipcc flags (-DUSE_ROCM=1, -D__HIP_NO_HALF_CONVERSIONS__=1, ...)."""
+CXX_FLAGS = ("-O3",)
+DEFAULT_OFFLOAD_ARCHS = ("gfx90a", "gfx942")
+"""What setup.py compiles for when PYTORCH_ROCM_ARCH is unset: MI200 and MI300 (CDNA)."""
+WAVE64_ARCH_PREFIX = "gfx9"
+"""The kernels need 64-wide wavefronts; HIP offers them on gfx9 (GCN/CDNA) only."""
+
+
+def kernel_sources(csrc: Path = CSRC_DIR) -> list[Path]:
+    """The extension's translation units, as on CUDA (platforms.cuda.build.kernel_sources)."""
+    return sorted(csrc.rglob("*.cu")) + sorted(csrc.rglob("*.cpp"))
+
+
+def find_hipcc() -> str | None:
+    """Path of hipcc on PATH or in the default ROCm location, without running it."""
+    found = shutil.which("hipcc")
+    if found:
+        return found
+    default = Path("/opt/rocm/bin/hipcc")
+    return str(default) if default.exists() else None
+
+
+def has_prebuilt() -> bool:
+    """Whether ``pip install`` compiled the HIP extension (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(PREBUILT_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_offload_archs(archs: Iterable[str]) -> tuple[str, ...]:
+    """``archs`` (e.g. ``gfx90a``, ``gfx942:xnack-``) if every one runs 64-wide wavefronts.
+
+    :raises ValueError: naming the unsupported targets and what to choose instead.
+    """
+    archs = tuple(a.strip() for a in archs if a.strip())
+    if not archs:
+        raise ValueError("no ROCm offload architecture given; set e.g. PYTORCH_ROCM_ARCH=gfx90a")
+    bad = [a for a in archs if not a.startswith(WAVE64_ARCH_PREFIX)]
+    if bad:
+        raise ValueError(
+            f"offload architecture(s) {bad} cannot run the csrc/ kernels: they need 64-wide "
+            "wavefronts, which HIP provides on gfx9 targets only (CDNA: gfx908, gfx90a, "
+            "gfx942). Set PYTORCH_ROCM_ARCH to CDNA targets, e.g. 'gfx90a;gfx942'"
+        )
+    return archs
+
+
+def _sync_tree(src: Path, dst: Path) -> None:
+    """Make ``dst`` hold a copy of every file of ``src``; unchanged files are not rewritten,
+    so their timestamps (and the incremental build) survive."""
+    for path in src.rglob("*"):
+        if not path.is_file():
+            continue
+        target = dst / path.relative_to(src)
+        if target.is_file() and target.read_bytes() == path.read_bytes():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+
+
+def hipify_sources(stage: Path, csrc: Path = CSRC_DIR) -> list[Path]:
+    """Copy ``csrc`` into ``stage`` and hipify it there; return the HIP translation units.
+
+    Each ``.cu`` becomes a ``.hip`` file and each header it includes a ``*_hip`` twin in
+    ``stage``; sources hipify leaves unchanged are returned as their staged copies.
+    Nothing is written under ``csrc``.
+    """
+    from torch.utils.hipify.hipify_python import hipify
+
+    stage = stage.resolve()
+    _sync_tree(csrc, stage)
+    units = [stage / p.relative_to(csrc) for p in kernel_sources(csrc)]
+    result = hipify(
+        project_directory=str(stage),
+        output_directory=str(stage),
+        includes=[f"{stage}/*"],
+        header_include_dirs=[str(stage)],
+        extra_files=[str(u) for u in units],
+        hipify_extra_files_only=True,
+        is_pytorch_extension=True,
+        show_detailed=False,
+        show_progress=False,
+    )
+    out = []
+    for unit in units:
+        entry = result.get(str(unit))
+        out.append(Path(entry.hipified_path) if entry and entry.hipified_path else unit)
+    return out
+
+
+def kernels_status() -> tuple[bool, str]:
+    """(can the kernels be loaded here, how or why not). No compilation, no device init."""
+    if has_prebuilt():
+        return True, f"prebuilt extension {PREBUILT_MODULE}"
+    if not CSRC_DIR.is_dir():
+        return False, (
+            f"the kernels were not compiled at install time and their sources ({CSRC_DIR}) are "
+            "not here to JIT-build; reinstall with `pip install --no-build-isolation .[rocm]` "
+            "on a machine with ROCm (hipcc) and a ROCm build of torch"
+        )
+    hipcc = find_hipcc()
+    if hipcc is None:
+        return False, (
+            "no prebuilt core_C extension and no hipcc to JIT-build csrc/; install ROCm's "
+            "HIP SDK (hipcc) or `pip install --no-build-isolation .[rocm]` where it is present"
+        )
+    return True, f"JIT build of {CSRC_DIR} (hipified) with {hipcc} (cached after the first run)"
+
+
+@functools.cache
+def load_ops() -> Any:
+    """Register the ``core_C`` ops in this process (once) and return ``torch.ops.core_C``.
+
+    The JIT build targets the visible GPUs' architectures, or PYTORCH_ROCM_ARCH when set
+    (torch's rule); a 32-wide target stops the compile with the reason (cuda_compat.h).
+
+    :raises RuntimeError: when neither a prebuilt extension nor the sources plus hipcc exist.
+    """
+    import torch
+
+    if has_prebuilt():
+        importlib.import_module(PREBUILT_MODULE)
+        return torch.ops.core_C
+    ok, why = kernels_status()
+    if not ok:
+        raise RuntimeError(f"cannot load the ROCm kernels: {why}")
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    stage = Path(get_default_build_root()) / f"{JIT_NAME}_src"
+    logger.info("JIT-building the HIP kernels from %s via %s (first run only)", CSRC_DIR, stage)
+    load(
+        name=JIT_NAME,
+        sources=[str(p) for p in hipify_sources(stage)],
+        extra_include_paths=[str(stage)],
+        extra_cflags=list(CXX_FLAGS),
+        extra_cuda_cflags=list(HIPCC_FLAGS),
+        is_python_module=False,
+        verbose=logger.isEnabledFor(logging.DEBUG),
+    )
+    return torch.ops.core_C

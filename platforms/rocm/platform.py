@@ -1,0 +1,225 @@
+"""The ROCm platform: AMD GPUs through a ROCm build of torch and the hipified csrc/ kernels.
+
+PyTorch's ROCm build exposes HIP devices as torch device type ``cuda`` (and its kernels
+under the CUDA dispatch key), and its ``torch.cuda`` calls drive HIP: memory, streams and
+graphs are HIP's. Runtime calls here therefore look like the CUDA platform's; where the
+logic is more than a torch call (KV budget, decode graphs) it is the CUDA platform's,
+reached through an instance of it rather than copied.
+
+Nothing here touches the GPU at import time, and :meth:`RocmPlatform.probe` never
+initialises HIP: it reads torch's build info, the kernel driver's topology in sysfs, and
+whether the kernels can be loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from core.platform import Capability, Platform, ProbeResult
+from platforms.cuda.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
+from platforms.cuda.platform import CudaPlatform, _head_size
+from platforms.rocm.attention import RocmPagedAttention
+from platforms.rocm.build import WAVE64_ARCH_PREFIX, kernels_status, load_ops
+
+if TYPE_CHECKING:
+    from core.attention import AttentionBackend, AttentionSpec
+    from core.config import EngineConfig
+    from core.platform import DecodeGraphRunner, DecodeGraphSpec, ModelForward
+
+PROBE_SCORE = 100
+"""Score when usable: above the CPU platform's. A torch build is either CUDA or ROCm, so this
+never ties with the cuda platform."""
+KFD_NODES = Path("/sys/class/kfd/kfd/topology/nodes")
+"""The amdgpu kernel driver's topology: one directory per CPU or GPU node."""
+
+
+def gfx_name(target_version: int) -> str:
+    """The gfx target name of KFD's ``gfx_target_version`` (major * 10000 + minor * 100 +
+    stepping, minor and stepping written in hex): 90010 -> gfx90a, 110000 -> gfx1100."""
+    major, rest = divmod(target_version, 10000)
+    minor, stepping = divmod(rest, 100)
+    return f"gfx{major}{minor:x}{stepping:x}"
+
+
+def kfd_gpu_archs(nodes: Path = KFD_NODES) -> list[str]:
+    """gfx names of the AMD GPUs the kernel driver lists, in node order; [] without a driver.
+
+    Reads sysfs only. CPU nodes have no SIMDs and are skipped. HIP_VISIBLE_DEVICES is not
+    applied: this lists what is installed.
+    """
+    try:
+        entries = [p for p in nodes.iterdir() if p.name.isdigit()]
+    except OSError:
+        return []
+    archs = []
+    for node in sorted(entries, key=lambda p: int(p.name)):
+        props = _read_properties(node / "properties")
+        if props.get("simd_count", 0) > 0 and props.get("gfx_target_version", 0) > 0:
+            archs.append(gfx_name(props["gfx_target_version"]))
+    return archs
+
+
+def _read_properties(path: Path) -> dict[str, int]:
+    """KFD's ``name value`` lines as a dict; unreadable or non-integer lines are skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    props = {}
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            props[key] = int(value)
+    return props
+
+
+def visible_gpu_count(archs: list[str]) -> int:
+    """AMD GPUs this process may use, without initialising HIP: amdsmi through torch (which
+    honours HIP_VISIBLE_DEVICES) when installed, else every GPU the driver lists."""
+    try:
+        count = torch.cuda._device_count_amdsmi()
+    except Exception:  # torch without the helper, or a broken amdsmi: fall back
+        count = -1
+    return count if count >= 0 else len(archs)
+
+
+def probe_result(
+    hip_version: str | None, archs: list[str], visible: int, kernels: tuple[bool, str]
+) -> ProbeResult:
+    """The probe's verdict from the facts it gathered (pure, so every branch is testable).
+
+    :param hip_version: ``torch.version.hip`` (None: not a ROCm build of torch)
+    :param archs: gfx names of the installed GPUs (see :func:`kfd_gpu_archs`)
+    :param visible: GPUs this process may use
+    :param kernels: :func:`platforms.rocm.build.kernels_status`
+    """
+    if not hip_version:
+        build = "CUDA" if torch.version.cuda else "CPU-only"
+        return ProbeResult(
+            0,
+            f"torch {torch.__version__} is a {build} build (torch.version.hip is None); "
+            "install a ROCm build of torch to use the rocm platform",
+        )
+    if visible == 0:
+        return ProbeResult(
+            0,
+            f"torch {torch.__version__} supports ROCm (HIP {hip_version}) but no AMD GPU is "
+            "visible (no amdgpu driver, no device, or HIP_VISIBLE_DEVICES hides them)",
+        )
+    usable = [a for a in archs if a.startswith(WAVE64_ARCH_PREFIX)]
+    if archs and not usable:
+        return ProbeResult(
+            0,
+            f"found AMD GPU(s) {archs}, but the csrc/ kernels need 64-wide wavefronts, which "
+            "HIP offers on gfx9 (CDNA: MI100/MI200/MI300) only; run with --platform cpu",
+        )
+    ok, how = kernels
+    if not ok:
+        return ProbeResult(0, how)
+    found = f"{visible} AMD GPU(s) {usable or '(architecture unknown)'}"
+    if len(usable) < len(archs):
+        others = [a for a in archs if a not in usable]
+        found += f"; {others} cannot run the kernels: hide them with HIP_VISIBLE_DEVICES"
+    return ProbeResult(
+        PROBE_SCORE, f"{found}, torch {torch.__version__} (HIP {hip_version}); kernels: {how}"
+    )
+
+
+class RocmPlatform(Platform):
+    name = "rocm"
+    device_type = "cuda"
+    dispatch_key = "CUDA"
+    capabilities = frozenset(
+        {Capability.GRAPH_CAPTURE, Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY}
+    )
+    verification = "never run (compiled for gfx90a with hipcc only)"
+    device_visibility_env = "HIP_VISIBLE_DEVICES"
+
+    def __init__(self) -> None:
+        self._cuda = CudaPlatform()  # torch.cuda logic; on a ROCm torch it drives HIP
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        hip = getattr(torch.version, "hip", None)
+        if not hip:
+            return probe_result(hip, [], 0, (False, ""))
+        archs = kfd_gpu_archs()
+        return probe_result(hip, archs, visible_gpu_count(archs), kernels_status())
+
+    # ---- device facts ---------------------------------------------------------------------
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def memory_info(self, device_index: int = 0) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(device_index)
+        return int(free), int(total)
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return SUPPORTED_DTYPES
+
+    def supported_block_sizes(self) -> tuple[int, ...]:
+        return SUPPORTED_BLOCK_SIZES
+
+    # ---- attention ---------------------------------------------------------------------------
+    def attention_backend_class(
+        self, spec: AttentionSpec, requested: str | None = None
+    ) -> type[AttentionBackend]:
+        if requested not in (None, RocmPagedAttention.name):
+            raise ValueError(
+                f"attention backend {requested!r} is not built into platform 'rocm' (it has "
+                f"{RocmPagedAttention.name!r}); a plugin can add one via core_attention_backends"
+            )
+        return RocmPagedAttention
+
+    def distributed_backend(self) -> str:
+        return "nccl"  # RCCL, under torch's nccl name on ROCm builds
+
+    # ---- memory and graphs: the CUDA platform's logic over torch.cuda (HIP here) -----------
+    def kv_cache_budget(
+        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
+    ) -> int:
+        return self._cuda.kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
+
+    def reset_peak_memory(self) -> None:
+        self._cuda.reset_peak_memory()
+
+    def peak_memory_bytes(self) -> int | None:
+        return self._cuda.peak_memory_bytes()
+
+    def decode_graph_runner(
+        self, model: ModelForward, kv_caches: list[torch.Tensor], spec: DecodeGraphSpec
+    ) -> DecodeGraphRunner | None:
+        """Per-bucket decode graphs, captured as HIP graphs through torch.cuda.CUDAGraph."""
+        return self._cuda.decode_graph_runner(model, kv_caches, spec)
+
+    # ---- runtime -----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def validate(self, config: EngineConfig) -> EngineConfig:
+        config = super().validate(config)
+        head = _head_size(config.model.hf_config)
+        if head is not None and head not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(
+                f"the model's attention head size is {head}; the rocm platform's kernels "
+                f"support {list(SUPPORTED_HEAD_SIZES)}. Run this model with --platform cpu"
+            )
+        return config
+
+    def get_extension(self, name: str) -> Any:
+        """``"core_C"``: the ``torch.ops.core_C`` namespace (hipifies and builds, or loads,
+        the kernels)."""
+        return load_ops() if name == "core_C" else None
