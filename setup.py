@@ -5,6 +5,10 @@ It is built when torch is importable at build time, torch is a CUDA build and a 
 toolkit (nvcc) is found; otherwise the pure-Python package is built and the CUDA platform
 JIT-builds the kernels from a source checkout, or reports why it cannot.
 
+With a ROCm build of torch (``torch.version.hip`` set) and hipcc, the same sources are
+hipified into build/hip/csrc (csrc/ itself is never written) and compiled with the HIP
+toolchain into ``platforms.rocm._C`` instead (``pip install --no-build-isolation .[rocm]``).
+
 torch must be visible to the build, so build the extension without build isolation:
 ``pip install --no-build-isolation .[cuda]``. A plain ``pip install .`` (isolated, no
 torch) always succeeds and installs the pure-Python package.
@@ -47,5 +51,57 @@ def cuda_extension() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension}
 
 
-ext_modules, cmdclass = cuda_extension()
+# ---- ROCm: the same csrc/, hipified into build/hip/csrc (never in csrc/) -----------------
+HIP_STAGE = ROOT / "build" / "hip" / "csrc"
+
+
+def _torch_is_rocm() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(getattr(torch.version, "hip", None))
+
+
+def _rocm_build_module():
+    """platforms/rocm/build.py, loaded by path: the package is not importable at build time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "core_rocm_build", ROOT / "platforms" / "rocm" / "build.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rocm_extension() -> tuple[list, dict]:
+    """(ext_modules, cmdclass) for the hipified kernels (``platforms.rocm._C``), or empty ones
+    with the reason printed. Targets: PYTORCH_ROCM_ARCH (e.g. "gfx90a;gfx942"), else the
+    build module's CDNA defaults; 32-wide-wavefront targets are refused."""
+    import os
+
+    from torch.utils.cpp_extension import ROCM_HOME, BuildExtension, CUDAExtension
+
+    if ROCM_HOME is None:
+        print("setup.py: not building the ROCm kernels (no ROCm/hipcc found; set ROCM_HOME)",
+              file=sys.stderr)
+        return [], {}
+    build = _rocm_build_module()
+    requested = os.environ.get("PYTORCH_ROCM_ARCH") or ";".join(build.DEFAULT_OFFLOAD_ARCHS)
+    archs = build.check_offload_archs(requested.replace(" ", ";").split(";"))
+    units = build.hipify_sources(HIP_STAGE)
+    ext = CUDAExtension(  # a HIP extension when torch is a ROCm build: hipcc compiles it
+        name="platforms.rocm._C",
+        sources=[str(p.relative_to(ROOT)) for p in units],
+        include_dirs=[str(HIP_STAGE)],
+        extra_compile_args={
+            "cxx": list(build.CXX_FLAGS),
+            "nvcc": [*build.HIPCC_FLAGS, *(f"--offload-arch={a}" for a in archs)],
+        },
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = rocm_extension() if _torch_is_rocm() else cuda_extension()
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
