@@ -253,6 +253,9 @@ class Sampler:
             _mask_min_tokens(work, rows, self.eos_token_ids)
             _add_logit_bias(work, rows, inv_t)
             _apply_penalties(work, rows, inv_t)
+            # Extreme penalties (e.g. repetition_penalty=5e-324) overflow to +inf or NaN:
+            # keep such a token the most likely one instead of poisoning the whole row.
+            torch.nan_to_num_(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max, neginf=float("-inf"))
         return work
 
     def _weights(self, work: torch.Tensor, rand: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -524,7 +527,8 @@ def _nucleus(
     cum = q.cumsum(dim=-1)
     total = torch.where(torch.isnan(mass), cum[:, -1], mass)
     above = cum - q  # mass of the more likely candidates
-    kept = (above < (top_p * total)[:, None]).sum(dim=-1)  # >= 1: above[0] == 0
+    # >= 1: above[0] == 0, unless top_p * total underflows to 0 (top_p=5e-324): keep the top one
+    kept = (above < (top_p * total)[:, None]).sum(dim=-1).clamp_(min=1)
     return vals.gather(1, (kept - 1)[:, None])[:, 0], kept
 
 

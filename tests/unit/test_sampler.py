@@ -335,3 +335,21 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="vocab_size 60 is larger"):
         Sampler()(logits, [row(SamplingParams())] * 2, vocab_size=60)
     assert Sampler()(torch.empty(0, 50), []).token_ids == []
+
+
+def test_extreme_penalty_and_top_p_do_not_crash():
+    """Found by schemathesis against the server: denormal top_p and repetition_penalty
+    overflowed the logits and left top-p with no candidate."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 300) * 3
+    p = SamplingParams(temperature=1.0, top_p=5e-324, repetition_penalty=5e-324)
+    rows = [row(p, prompt=(1, 2, 3)), row(p, prompt=(4, 5))]
+    out = Sampler()(logits, rows)
+    assert all(0 <= t < 300 for t in out.token_ids)
+    # with top_p this small only the single most likely (penalised) token may be drawn
+    for i, row_tokens in enumerate([(1, 2, 3), (4, 5)]):
+        work = logits[i].clone()
+        for t in row_tokens:
+            work[t] = work[t] / 5e-324 if work[t] > 0 else work[t] * 5e-324
+        work = torch.nan_to_num(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max)
+        assert out.token_ids[i] == int(work.argmax())

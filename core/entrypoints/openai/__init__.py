@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (``core serve``): FastAPI app, handlers, metrics."""

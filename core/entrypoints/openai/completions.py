@@ -1,0 +1,162 @@
+"""``POST /v1/completions``: one engine request per prompt, n choices each.
+
+Choice indices are ``prompt_index * n + sample_index`` (as OpenAI numbers them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from core.entrypoints.openai.errors import OpenAIError, bad_request
+from core.entrypoints.openai.logprobs import completion_logprobs
+from core.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from core.entrypoints.openai.serving import (
+    SSE_HEADERS,
+    ChoiceCursor,
+    ClientDisconnected,
+    ServerContext,
+    engine_error,
+    final_output,
+    merge_streams,
+    until_disconnect,
+)
+from core.outputs import RequestOutput
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _check(req: CompletionRequest) -> None:
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported; leave it out", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of={req.best_of} differs from n={req.n}; only best_of == n is supported",
+                          param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported; drop one of them", param="echo")
+
+
+async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerContext) -> Response:
+    ctx.check_model(req.model)
+    _check(req)
+    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
+    prompts = _prompts(req.prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    ctx.warn_unknown_fields(request_id, req)
+    texts = await ctx.token_texts() if req.logprobs is not None else []
+    streams = await ctx.submit(request_id, prompts, params, req.priority)
+    ctx.log_received(request_id, "completions", req, prompts, req.max_tokens)
+    if req.stream:
+        events = _events(ctx, req, request_id, streams, texts)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    async def collect() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(final_output(s) for s in streams)))
+
+    try:
+        outs = await until_disconnect(raw, collect())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the requests were aborted
+    except Exception as e:
+        err = engine_error(e)
+        if err is e:
+            raise
+        raise err from e
+    ctx.log_finished(request_id, outs)
+    echoes = await _echo_texts(ctx, req, outs)
+    resp = CompletionResponse(id=request_id, model=ctx.model_name, choices=[], usage=_usage(outs))
+    for i, out in enumerate(outs):
+        for comp in out.outputs:
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(comp.token_ids, comp.logprobs or (), range(len(comp.token_ids)),
+                                         req.logprobs, texts, 0)
+            resp.choices.append(CompletionChoice(index=i * req.n + comp.index, text=echoes[i] + comp.text,
+                                                 logprobs=lp, finish_reason=comp.finish_reason,
+                                                 stop_reason=comp.stop_reason))
+    return JSONResponse(resp.model_dump())
+
+
+async def _echo_texts(ctx: ServerContext, req: CompletionRequest, outs: list[RequestOutput]) -> list[str]:
+    if not req.echo:
+        return [""] * len(outs)
+    if all(o.prompt is not None for o in outs):
+        return [o.prompt or "" for o in outs]
+    ids = [o.prompt_token_ids for o in outs]
+    return await ctx.call_engine(lambda e: [o.prompt or e.tokenizer.decode(list(t)) for o, t in zip(outs, ids)])
+
+
+def _usage(outs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
+
+
+def _sse(obj: CompletionResponse) -> str:
+    return f"data: {json.dumps(obj.model_dump())}\n\n"
+
+
+async def _events(
+    ctx: ServerContext, req: CompletionRequest, request_id: str, streams: list, texts: list[str]
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    stops = tuple([req.stop] if isinstance(req.stop, str) else req.stop or [])
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    cursors: dict[int, ChoiceCursor] = {}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in merge_streams(streams):
+            if req.echo and not any(i * req.n + c.index in cursors for c in out.outputs):
+                echo = out.prompt if out.prompt is not None else await _echo_ids(ctx, out)
+                yield _sse(_chunk(request_id, created, ctx, [
+                    CompletionChoice(index=i * req.n + k, text=echo) for k in range(req.n)]))
+            choices = []
+            for comp in out.outputs:
+                index = i * req.n + comp.index
+                cur = cursors.setdefault(index, ChoiceCursor())
+                start = cur.text_sent
+                delta, positions, reason = cur.advance(comp, stops)
+                lp = None
+                if req.logprobs is not None and len(positions):
+                    lp = completion_logprobs(comp.token_ids, comp.logprobs or (), positions, req.logprobs, texts, start)
+                if delta or lp or reason:
+                    choices.append(CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=reason,
+                                                    stop_reason=comp.stop_reason if reason else None))
+            if choices:
+                yield _sse(_chunk(request_id, created, ctx, choices))
+            if out.finished:
+                finals[i] = out
+        outs = [finals[i] for i in sorted(finals)]
+        ctx.log_finished(request_id, outs)
+        if include_usage:
+            yield _sse(_chunk(request_id, created, ctx, [], _usage(outs)))
+    except Exception as e:
+        err = engine_error(e)
+        yield (err if isinstance(err, OpenAIError) else OpenAIError(500, "internal server error")).sse()
+    yield "data: [DONE]\n\n"
+
+
+async def _echo_ids(ctx: ServerContext, out: RequestOutput) -> str:
+    ids = list(out.prompt_token_ids)
+    return await ctx.call_engine(lambda e: e.tokenizer.decode(ids))
+
+
+def _chunk(request_id: str, created: int, ctx: ServerContext, choices: list[CompletionChoice],
+           usage: Usage | None = None) -> CompletionResponse:
+    return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage)

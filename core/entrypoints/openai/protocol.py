@@ -1,0 +1,216 @@
+"""Request and response bodies of the OpenAI API subset we serve (pydantic models).
+
+Field constraints here are the first line of validation: a value outside them becomes a
+400 in the OpenAI error shape (see ``errors.py``) and they appear in ``/openapi.json``.
+Fields marked *extension* are not in OpenAI's API; they follow vLLM's names so clients
+written for vLLM keep working (send them with the openai client's ``extra_body``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+# ---- errors -----------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- shared request fields -------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """Send a last chunk (with empty ``choices``) carrying the request's token usage."""
+
+
+class SamplingRequest(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    # Unknown fields are accepted and ignored (as vLLM does); they are listed in the log.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="Served model name; omitted means the served model.")
+    n: int = Field(1, ge=1, le=128, description="Samples per prompt.")
+    temperature: float | None = Field(None, ge=0, le=2, description="Default 1; 0 is greedy.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit."
+    )
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Same seed, same samples.")
+    user: str | None = Field(None, description="End-user id; only logged.")
+    # extensions
+    top_k: int | None = Field(None, ge=-1, description="extension: keep the k likeliest tokens (-1 off)")
+    min_p: float | None = Field(None, ge=0, le=1, description="extension")
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension")
+    min_tokens: int = Field(0, ge=0, description="extension: no EOS/stop before this many tokens")
+    ignore_eos: bool = Field(False, description="extension: keep generating after EOS")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = Field(
+        None, description="extension"
+    )
+    include_stop_str_in_output: bool = Field(False, description="extension")
+    skip_special_tokens: bool = Field(True, description="extension")
+    priority: int = Field(0, ge=-(2**31), lt=2**31, description="extension: lower runs first (--scheduling-policy priority)")
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+PromptType = (
+    Annotated[str, Field()]
+    | Annotated[list[str], Field(min_length=1, max_length=64)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptType
+    max_tokens: int | None = Field(16, ge=1, description="Most tokens per sample; null = up to max_model_len.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top logprobs per token.")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+    suffix: str | None = Field(None, description="Not supported; must be null.")
+    best_of: int | None = Field(None, ge=1, le=128, description="Only best_of == n is supported.")
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = Field(None, description="extension: the stop string or token id that matched")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; use max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported; must be null or empty.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+    add_generation_prompt: bool = Field(True, description="extension")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = Field(None, description="extension")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- /v1/models ------------------------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "core"
+    root: str | None = Field(None, description="extension: the model path")
+    max_model_len: int | None = Field(None, description="extension")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

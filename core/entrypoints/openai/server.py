@@ -1,0 +1,226 @@
+"""The FastAPI app (:func:`build_app`) and ``core serve`` (:func:`run_server`).
+
+Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions,
+POST /v1/chat/completions, GET /health, GET /metrics, GET /version, GET /openapi.json.
+
+Shutdown: on SIGTERM uvicorn stops accepting connections, in-flight requests get
+``--shutdown-grace-period`` seconds to finish (then they are cancelled, which aborts them in
+the engine), the engine thread stops, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from core.async_engine import AsyncLLMEngine, EngineDeadError
+from core.engine import LLMEngine
+from core.engine_args import EngineArgs
+from core.entrypoints.openai.args import ServerArgs
+from core.entrypoints.openai.chat import create_chat_completion
+from core.entrypoints.openai.completions import create_completion
+from core.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from core.entrypoints.openai.metrics import CONTENT_TYPE, Metrics
+from core.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from core.entrypoints.openai.serving import ServerContext
+from core.version import __version__
+
+logger = logging.getLogger("core.entrypoints.openai")
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid parameters or a prompt longer than max_model_len"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when --api-key is set)"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "Waiting queue full (see Retry-After) or engine dead"},
+}
+
+
+class ApiKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on /v1/*; other paths (health, metrics) stay open.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnects pass
+    through untouched. The key is compared in constant time.
+    """
+
+    def __init__(self, app, api_key: str, on_refused=None):
+        self.app = app
+        self._key = api_key.encode()
+        self._on_refused = on_refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            if self._on_refused is not None:
+                self._on_refused(401)
+            err = OpenAIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await err.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.partition(b" ")
+        # compare_digest takes time independent of where the strings differ.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+def served_name(args: ServerArgs, model_path: str) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    p = Path(model_path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> FastAPI:
+    """The ASGI app serving ``engine``. The app stops the engine when it shuts down."""
+    ctx = ServerContext(engine, metrics.model_name, args.chat_template,
+                        log_requests=not args.disable_log_requests, log_prompts=args.log_prompts)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        logger.info("serving %r on http://%s:%d (OpenAI API under /v1)", ctx.model_name, args.host, args.port)
+        stats = None
+        if not engine.engine.config.disable_log_stats:
+            stats = asyncio.ensure_future(_log_stats(engine, STATS_INTERVAL_S))
+        yield
+        if stats is not None:
+            stats.cancel()
+        logger.info("stopping the engine")
+        await asyncio.to_thread(engine.shutdown, 30.0)
+
+    app = FastAPI(title="core: OpenAI-compatible API", version=__version__, lifespan=lifespan)
+    install_error_handlers(app, on_error=metrics.on_refused)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, on_refused=metrics.on_refused)
+    _add_api_routes(app, ctx, started=int(time.time()))
+    _add_ops_routes(app, engine, metrics)
+    return app
+
+
+def _add_api_routes(app: FastAPI, ctx: ServerContext, started: int) -> None:
+    """The OpenAI routes under /v1."""
+
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, created=started, root=ctx.model_root, max_model_len=ctx.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def get_model(model: str) -> ModelCard:
+        ctx.check_model(model)
+        return card()
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        """OpenAI completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
+        return await create_completion(body, raw, ctx)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        """OpenAI chat completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
+        return await create_chat_completion(body, raw, ctx)
+
+
+def _add_ops_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: Metrics) -> None:
+    """Health, metrics and version: open even with --api-key (for load balancers and Prometheus)."""
+
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "The engine is dead"}})
+    async def health() -> Response:
+        """200 while the engine loop runs; 503 once it died (restart the server)."""
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            return OpenAIError(503, str(e), code="engine_dead").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text exposition; see docs/serving.md for every metric."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+STATS_INTERVAL_S = 10.0
+
+
+async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
+    """Every ``interval`` seconds while there is work: throughput and queue state."""
+    last = engine.snapshot
+    while True:
+        await asyncio.sleep(interval)
+        snap, s = engine.snapshot, engine.snapshot.scheduler
+        prompt = snap.prompt_tokens - last.prompt_tokens
+        gen = snap.generation_tokens - last.generation_tokens
+        if s is not None and (prompt or gen or s.num_running or s.num_waiting):
+            logger.info("prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d, swapped %d; "
+                        "KV cache %.1f%%; prefix cache hit rate %.1f%%", prompt / interval, gen / interval,
+                        s.num_running, s.num_waiting, s.num_swapped, 100 * s.kv_cache_usage,
+                        100 * s.prefix_cache_hit_rate)
+        last = snap
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """``core serve``: load the engine, serve until SIGTERM/SIGINT, return the exit code."""
+    import uvicorn
+
+    args = ServerArgs.from_cli_args(ns)
+    engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
+    name = served_name(args, engine.config.model.model)
+    # The snapshot getter is called only on scrapes, after async_engine exists.
+    metrics = Metrics(name, lambda: async_engine.snapshot)
+    async_engine = AsyncLLMEngine(engine, on_finished=metrics.on_finished)
+    app = build_app(async_engine, args, metrics)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # keep the process's logging setup (core's format and level)
+        log_level=args.uvicorn_log_level,
+        access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
+        timeout_graceful_shutdown=args.shutdown_grace_period,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it shut down for once it is done; with this handler in
+    # place that re-raise is a no-op, so a SIGTERM shutdown ends with exit code 0.
+    previous = signal.signal(signal.SIGTERM, _log_terminated)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if not async_engine.is_dead:
+            async_engine.shutdown(30.0)
+    if not server.started:
+        logger.error("the server did not start (is port %d on %s free?)", args.port, args.host)
+        return 1
+    return 0
+
+
+def _log_terminated(signum: int, frame) -> None:
+    logger.info("shut down after signal %d", signum)

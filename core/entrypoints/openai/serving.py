@@ -1,0 +1,307 @@
+"""What the completions and chat handlers share: request checks, sampling parameters,
+submitting to the engine with errors mapped to HTTP statuses, stream plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from core.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from core.engine import EngineOverloaded
+from core.entrypoints.openai.errors import OpenAIError, bad_request
+from core.entrypoints.openai.protocol import SamplingRequest
+from core.outputs import CompletionOutput, RequestOutput
+from core.sampling_params import SamplingParams
+
+logger = logging.getLogger("core.entrypoints.openai")
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""Keep proxies (nginx) from buffering a token stream."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+class ServerContext:
+    """Per-app state handed to the handlers (no module globals)."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        chat_template: str | None,
+        log_requests: bool,
+        log_prompts: bool,
+    ):
+        self.engine = engine
+        self.model_name = model_name
+        cfg = engine.engine.config
+        self.model_root = cfg.model.model
+        self.max_model_len = cfg.model.max_model_len
+        self.max_num_seqs = cfg.scheduler.max_num_seqs
+        self.vocab_size = engine.engine.vocab_size
+        self.chat_template = chat_template
+        self.log_requests = log_requests
+        self.log_prompts = log_prompts
+        self._token_texts: list[str] | None = None
+        self._token_texts_lock = asyncio.Lock()
+
+    # ---- request checks ---------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams for ``req``; a bad combination becomes a 400."""
+        if req.n > self.max_num_seqs:
+            raise bad_request(
+                f"n={req.n} is more than this server runs at once (--max-num-seqs {self.max_num_seqs}); "
+                f"ask for at most {self.max_num_seqs} samples",
+                param="n",
+            )
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                logit_bias=self._logit_bias(req.logit_bias),
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                stop=_stops(req.stop),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param=_param_of(str(e))) from e
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias key {key!r} is not a token id (an integer as a string)",
+                                  param="logit_bias") from None
+            if not 0 <= tid < self.vocab_size:
+                raise bad_request(f"logit_bias token id {tid} is outside the vocabulary [0, {self.vocab_size})",
+                                  param="logit_bias")
+            out[tid] = value
+        return out
+
+    def warn_unknown_fields(self, request_id: str, req: SamplingRequest) -> None:
+        if req.model_extra:
+            names = sorted(req.model_extra)
+            shown = [n[:40] for n in names[:5]] + (["..."] if len(names) > 5 else [])
+            logger.warning("%s: ignoring %d unsupported field(s) %r", request_id, len(names), shown)
+
+    # ---- engine ----------------------------------------------------------------------------------
+    async def submit(
+        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt (ids ``{request_id}-{i}``); all or none."""
+        results = await asyncio.gather(
+            *(self.engine.add_request(p, params, f"{request_id}-{i}", priority) for i, p in enumerate(prompts)),
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return streams
+        for s in streams:
+            s.close()
+        raise engine_error(error, param="prompt") from error
+
+    async def call_engine(self, fn: Any) -> Any:
+        try:
+            return await self.engine.call(fn)
+        except EngineDeadError as e:
+            raise engine_error(e) from e
+
+    async def token_texts(self) -> list[str]:
+        """Text of every token id (for logprobs), decoded once on the engine thread."""
+        async with self._token_texts_lock:
+            if self._token_texts is None:
+                self._token_texts = await self.call_engine(_decode_vocab)
+        return self._token_texts
+
+    def log_received(self, request_id: str, kind: str, req: SamplingRequest, prompts: list[Any], max_tokens: int | None) -> None:
+        if not self.log_requests:
+            return
+        logger.info("%s: %s, %d prompt(s), n=%d, max_tokens=%s, stream=%s%s", request_id, kind, len(prompts), req.n,
+                    max_tokens, req.stream, f", user={req.user!r}, prompt={prompts!r}" if self.log_prompts else "")
+
+    def log_finished(self, request_id: str, outs: list[RequestOutput]) -> None:
+        if not self.log_requests:
+            return
+        reasons = [c.finish_reason for o in outs for c in o.outputs]
+        gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        m = outs[0].metrics if outs else None
+        took = f" in {m.finished_time - m.arrival_time:.3f}s" if m and m.finished_time else ""
+        text = f", output={[c.text for o in outs for c in o.outputs]!r}" if self.log_prompts else ""
+        logger.info("%s: finished %s, prompt_tokens=%d, completion_tokens=%d%s%s",
+                    request_id, reasons, prompt, gen, took, text)
+
+
+def engine_error(e: BaseException, param: str | None = None) -> BaseException:
+    """Map an exception from the engine to the HTTP error the client should get."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineOverloaded):
+        return OpenAIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), code="engine_dead")
+    if isinstance(e, (ValueError, TypeError)):
+        return bad_request(str(e), param=param)
+    return e
+
+
+def _decode_vocab(engine: Any) -> list[str]:
+    tok = engine.tokenizer
+    return [tok.decode([i], skip_special_tokens=False) for i in range(min(len(tok), engine.vocab_size))]
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _param_of(message: str) -> str | None:
+    # SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ...".
+    if message.startswith("SamplingParams."):
+        return message.removeprefix("SamplingParams.").split("=", 1)[0]
+    return None
+
+
+# ---- streams -----------------------------------------------------------------------------------
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """Drain a stream and return its finished output."""
+    last = None
+    try:
+        async for out in stream:
+            last = out
+    finally:
+        stream.close()
+    if last is None:  # a stream always ends with the finished output (or raises)
+        raise RuntimeError(f"request {stream.request_id} ended without an output")
+    return last
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it, which aborts
+    its engine requests, and raise :class:`ClientDisconnected`)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+# ---- incremental text ----------------------------------------------------------------------
+def stream_safe_len(text: str, stops: tuple[str, ...]) -> int:
+    """How much of an unfinished text may be sent: hold back a tail that could still
+    become a stop string (which is cut from the output when it completes)."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return len(text) - hold
+
+
+@dataclass
+class ChoiceCursor:
+    """What has been sent so far for one choice of a streamed response."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+
+    def advance(self, comp: CompletionOutput, stops: tuple[str, ...]) -> tuple[str, range, str | None]:
+        """New text, new token positions, and the finish reason if it finished just now."""
+        safe = len(comp.text) if comp.finished else stream_safe_len(comp.text, stops)
+        delta = comp.text[self.text_sent:safe] if safe > self.text_sent else ""
+        self.text_sent = max(self.text_sent, safe)
+        new_tokens = range(self.tokens_sent, len(comp.token_ids))
+        self.tokens_sent = len(comp.token_ids)
+        reason = None
+        if comp.finished and not self.finished:
+            self.finished = True
+            reason = comp.finish_reason
+        return delta, new_tokens, reason
