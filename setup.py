@@ -41,7 +41,9 @@ def cuda_extension() -> tuple[list, dict]:
         return _skip(f"torch {torch.__version__} is not a CUDA build")
     if CUDA_HOME is None:
         return _skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
-    sources = sorted(CSRC.rglob("*.cu")) + sorted(CSRC.rglob("*.cpp"))
+    sources = sorted(CSRC.rglob("*.cu")) + sorted(
+        p for p in CSRC.rglob("*.cpp") if p.relative_to(CSRC).parts[0] != "cpu"
+    )  # csrc/cpu/ is the CPU platform's own extension
     ext = CUDAExtension(
         name="platforms.cuda._C",
         sources=[str(p.relative_to(ROOT)) for p in sources],

@@ -30,6 +30,17 @@ from core.tokenizer import eos_token_ids, load_tokenizer
 logger = logging.getLogger(__name__)
 
 
+def _quantization(gguf_file: str | None) -> str | None:
+    """"q4" when most of a GGUF's tensors are 4-bit (Q4_0, Q4_1, Q4_K), else None."""
+    if gguf_file is None:
+        return None
+    from core.gguf_file import GGUFIndex
+
+    types = [t.qtype for t in GGUFIndex(gguf_file).tensors]
+    four_bit = sum(t in (2, 3, 12) for t in types)  # ggml types Q4_0, Q4_1, Q4_K
+    return "q4" if types and four_bit * 2 > len(types) else None
+
+
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (``max_waiting_requests``); retry later."""
 
@@ -45,10 +56,14 @@ def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None =
     """Turn user arguments into a validated, frozen EngineConfig for ``platform``."""
     model_path = args.model or default_model_path()
     arch, hf_config, gguf_file, tok_path = load_config(model_path, cache_dir)
-    if args.dtype == "auto":
-        dtype = str(platform.default_dtype(_checkpoint_dtype(hf_config))).removeprefix("torch.")
-    else:
-        dtype = args.dtype
+    auto_dtype, auto_format = platform.default_formats(
+        _checkpoint_dtype(hf_config), _quantization(gguf_file)
+    )
+    dtype = str(auto_dtype).removeprefix("torch.") if args.dtype == "auto" else args.dtype
+    weight_format = args.weight_format
+    if weight_format == "auto":
+        # the platform's pick applies only together with its dtype pick
+        weight_format = auto_format if args.dtype == "auto" else "dense"
     model_max = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 2048)
     max_len = args.max_model_len or model_max
     if max_len > model_max:
@@ -70,7 +85,7 @@ def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None =
         seed=args.seed,
         gguf_file=gguf_file,
         cache_dir=cache_dir,
-        weight_format=args.weight_format,
+        weight_format=weight_format,
     )
     block_size = args.block_size or platform.preferred_block_size()
     cache = CacheConfig(
@@ -175,8 +190,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for bad input."""
+        """Queue a request; returns its id. Raises ValueError for bad input.
+
+        ``final_only``: step() returns this request's output only once it has finished
+        (offline batches), sparing the per-step output and detokenization work.
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else self._next_id()
         if self.scheduler.get_request(request_id) is not None:
@@ -193,7 +213,7 @@ class LLMEngine:
             req.arrival_time = arrival_time
             for s in req.seqs:
                 s.arrival_time = arrival_time
-        self.output_processor.add_request(req)
+        self.output_processor.add_request(req, final_only)
         self.scheduler.add_request(req)
         return request_id
 

@@ -54,7 +54,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     executor: str = "auto"
     load_format: str = "auto"
-    weight_format: str = "dense"
+    weight_format: str = "auto"
+    """In-memory weight format; auto lets the platform choose (with --dtype auto)."""
     seed: int = 0
     attention_backend: str | None = None
     enforce_eager: bool = False
@@ -86,7 +87,8 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--executor", default="auto", choices=["auto", "uni", "mp", "ray"])
         g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "pt", "dummy"])
-        g.add_argument("--weight-format", default="dense", help="in-memory weight format (platform specific)")
+        g.add_argument("--weight-format", default="auto",
+                       help="in-memory weight format: auto (platform's choice), dense, or a platform format (cpu: int8, int4)")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--attention-backend", default=None)
         g.add_argument("--enforce-eager", action="store_true")

@@ -36,11 +36,19 @@ class Executor(ABC):
 
 
 def initialize_runner(runner: ModelRunner) -> KVPlan:
-    """Load weights, size the KV cache from the platform's budget, allocate it."""
+    """Load weights, profile the largest step's memory, size the KV cache from the
+    platform's budget, allocate it."""
     cfg = runner.config
     weights = runner.load_model()
+    needs_budget = cfg.cache.kv_cache_memory is None and cfg.cache.num_blocks_override is None
+    peak = runner.profile_run() if needs_budget else None
+    if peak is not None:
+        logger.info(
+            "memory profile: weights %.1f MiB, peak with activations of the largest step "
+            "%.1f MiB", weights / (1 << 20), peak / (1 << 20),
+        )
     budget = runner.platform.kv_cache_budget(
-        cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, weights
+        cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, max(weights, peak or 0)
     )
     plan = plan_kv_cache(
         budget_bytes=budget,

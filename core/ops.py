@@ -66,12 +66,23 @@ def rotary_embedding(
     return rot(query), rot(key)
 
 
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``hidden @ weight.T`` as float32: hidden [n, h], weight [vocab rows, h].
+
+    The default multiplies in the inputs' dtype and converts the result (so a bf16 model
+    gets bf16-rounded logits); a platform may override it with a kernel that accumulates
+    and returns float32.
+    """
+    return torch.nn.functional.linear(hidden, weight).float()
+
+
 DEFAULT_OPS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType(
     {
         "rms_norm": rms_norm,
         "fused_add_rms_norm": fused_add_rms_norm,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
+        "lm_head": lm_head,
     }
 )
 

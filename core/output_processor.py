@@ -18,6 +18,8 @@ class _SeqState:
     detok: IncrementalDetokenizer | None
     stops: StopChecker | None
     text: str = ""
+    decode_at_end: bool = False
+    """Final-only output without stop strings: decode once at the end, not per token."""
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
@@ -27,6 +29,8 @@ class _ReqState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     first_scheduled: float | None = None
     first_token: float | None = None
+    final_only: bool = False
+    """Emit only the finished output (offline use); skips per-step output building."""
 
 
 @dataclass
@@ -49,11 +53,12 @@ class OutputProcessor:
         self._pending: list[RequestOutput] = []
         self.counters = StepCounters()
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, final_only: bool = False) -> None:
+        """Track a request. ``final_only``: its consumer wants just the finished output."""
         plp = None
         if request.params.prompt_logprobs is not None:
             plp = [None] * len(request.prompt_token_ids)
-        self._reqs[request.request_id] = _ReqState(request, plp)
+        self._reqs[request.request_id] = _ReqState(request, plp, final_only=final_only)
         self.counters.prompt_tokens += len(request.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
@@ -82,18 +87,18 @@ class OutputProcessor:
             tok = result.sampled.get(s.seq_id)
             if tok is not None:
                 seq = next(q for q in state.request.seqs if q.seq_id == s.seq_id)
-                self._append(seq, tok)
+                self._append(seq, tok, state.final_only)
                 state.first_token = state.first_token or now
                 touched[s.request_id] = state
         for state in touched.values():
             if state.request.finished:
                 outputs.append(self._finish_request(state))
-            else:
+            elif not state.final_only:
                 outputs.append(self._output(state, finished=False))
         return outputs
 
-    def _append(self, seq: Sequence, tok: SampledToken) -> None:
-        st = self._seqs.get(seq.seq_id) or self._new_seq_state(seq)
+    def _append(self, seq: Sequence, tok: SampledToken, final_only: bool) -> None:
+        st = self._seqs.get(seq.seq_id) or self._new_seq_state(seq, final_only)
         seq.output_token_ids.append(tok.token_id)
         seq.cumulative_logprob += tok.logprob
         self.counters.generation_tokens += 1
@@ -113,6 +118,11 @@ class OutputProcessor:
             st.text = text_before
         elif st.detok is not None and not isinstance(seq.stop_reason, str):
             st.text += st.detok.finish()
+        if st.decode_at_end:
+            ids = seq.output_token_ids
+            if stopped_by_token and not seq.params.include_stop_str_in_output:
+                ids = ids[:-1]
+            st.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         self.scheduler.finish_sequence(seq, status)
 
     def _stop_status(self, seq: Sequence, st: _SeqState, token: int, delta_len: int) -> SequenceStatus | None:
@@ -134,10 +144,15 @@ class OutputProcessor:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _new_seq_state(self, seq: Sequence) -> _SeqState:
+    def _new_seq_state(self, seq: Sequence, final_only: bool) -> _SeqState:
         p = seq.params
         detok = None
-        if p.detokenize and self.tokenizer is not None:
+        can_detok = p.detokenize and self.tokenizer is not None
+        if can_detok and final_only and not p.stop:
+            st = _SeqState(None, None, decode_at_end=True)
+            self._seqs[seq.seq_id] = st
+            return st
+        if can_detok:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
             # A forked sibling inherits no outputs (it forks before its first token).
             if seq.output_token_ids:

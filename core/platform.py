@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from core.attention import AttentionBackend, AttentionSpec
+    from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
     from core.config import EngineConfig
 
 
@@ -39,6 +41,49 @@ class Capability:
     """Host buffers can be page-locked for faster swaps."""
     DEVICE_MEMORY = "device_memory"
     """The device has its own memory, sized by gpu_memory_utilization."""
+
+
+ModelForward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], "AttentionMetadata"], torch.Tensor]
+"""``model(input_ids, positions, kv_caches, metadata) -> hidden`` (see core.models)."""
+
+
+@dataclass(frozen=True)
+class DecodeGraphSpec:
+    """What a platform needs to capture decode steps of one model (see
+    :meth:`Platform.decode_graph_runner`)."""
+
+    max_batch_size: int
+    """Most sequences in a decode step (the scheduler's max_num_seqs)."""
+    max_model_len: int
+    """Longest context a sequence can reach; a captured step must be right for any length
+    up to it."""
+    block_size: int
+    """KV block size: block tables have ceil(max_model_len / block_size) columns."""
+
+
+class DecodeGraphRunner(ABC):
+    """Runs decode-only steps from captured graphs (a strategy object of a platform).
+
+    Invariant: :meth:`run` returns exactly what ``model(input_ids, positions, kv_caches,
+    metadata)`` returns for the same step (rows in the same order), for every batch that
+    :meth:`can_run` accepts. The returned tensor may be a view of a buffer that the next
+    :meth:`run` overwrites: consume it before the next step.
+    """
+
+    @abstractmethod
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        """Whether this step can be replayed (decode-only and small enough)."""
+
+    @abstractmethod
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The hidden states [num_tokens, hidden] of the step, from a graph."""
+
+    def capture_all(self) -> float:
+        """Capture every batch size now instead of on first use; returns the seconds it
+        took. Default: nothing to capture (0.0)."""
+        return 0.0
 
 
 class Platform(ABC):
@@ -82,6 +127,17 @@ class Platform(ABC):
         supported = self.supported_dtypes()
         return checkpoint_dtype if checkpoint_dtype in supported else supported[0]
 
+    def default_formats(
+        self, checkpoint_dtype: torch.dtype, quantization: str | None
+    ) -> tuple[torch.dtype, str]:
+        """(compute dtype, weight format) for ``--dtype auto`` / ``--weight-format auto``.
+
+        :param quantization: the checkpoint's weight quantization when it has one (e.g.
+            ``"q4"`` for a 4-bit GGUF), else None.
+        Default: ``(default_dtype(checkpoint_dtype), "dense")``.
+        """
+        return self.default_dtype(checkpoint_dtype), "dense"
+
     @abstractmethod
     def supported_block_sizes(self) -> tuple[int, ...]:
         """KV block sizes (tokens) its attention kernels accept."""
@@ -107,18 +163,35 @@ class Platform(ABC):
 
     def ops(self) -> dict[str, Any]:
         """Platform kernels overriding entries of :data:`core.ops.DEFAULT_OPS` by name
-        (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding). Default: none."""
+        (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, lm_head). Default: none."""
         return {}
 
     def supported_weight_formats(self) -> tuple[str, ...]:
         """In-memory linear weight formats (see ModelConfig.weight_format). Default: dense."""
         return ("dense",)
 
+    def linear_method(self, weight_format: str) -> Any:
+        """The :class:`core.models.layers.LinearMethod` that keeps linear weights in
+        ``weight_format`` (one of :meth:`supported_weight_formats`). Default: the dense
+        method for ``"dense"``."""
+        from core.models.layers import DENSE
+
+        if weight_format != "dense":
+            raise ValueError(
+                f"weight format {weight_format!r} is not supported by platform {self.name!r}; "
+                f"use one of {list(self.supported_weight_formats())}"
+            )
+        return DENSE
+
     # ---- memory planning ------------------------------------------------------------
     def kv_cache_budget(
         self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
     ) -> int:
         """Bytes available for the KV cache.
+
+        :param weights_bytes: what the model needs on the device besides the KV cache: its
+            weights, or, when the runner profiled a forward pass (see
+            :meth:`peak_memory_bytes`), the peak of weights plus activations.
 
         Default: ``requested_bytes`` if given, else ``memory_utilization`` of total device
         memory minus the weights and what is already in use by others.
@@ -129,6 +202,25 @@ class Platform(ABC):
         used_by_others = total - free
         return max(0, int(total * memory_utilization) - used_by_others - weights_bytes)
 
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory measurement (see :meth:`peak_memory_bytes`). Default:
+        nothing."""
+
+    def peak_memory_bytes(self) -> int | None:
+        """Most device memory this process's tensors held since :meth:`reset_peak_memory`
+        (tensors alive at the reset count). Default: None (cannot measure), and the runner
+        then sizes the KV cache from the weights alone."""
+        return None
+
+    # ---- graphs -----------------------------------------------------------------------
+    def decode_graph_runner(
+        self, model: ModelForward, kv_caches: list[torch.Tensor], spec: DecodeGraphSpec
+    ) -> DecodeGraphRunner | None:
+        """A strategy that replays decode steps of ``model`` over ``kv_caches`` from captured
+        graphs; asked only of platforms with :attr:`Capability.GRAPH_CAPTURE` and not under
+        ``--enforce-eager``. Default: None (every step runs eagerly)."""
+        return None
+
     # ---- distributed ----------------------------------------------------------------
     def distributed_backend(self) -> str:
         """torch.distributed backend for collectives. Default: gloo."""
@@ -137,6 +229,19 @@ class Platform(ABC):
     # ---- runtime --------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for queued device work. Default: nothing to wait for."""
+
+    def inference_context(self) -> AbstractContextManager:
+        """The grad mode the runner runs model steps in. Default: ``torch.inference_mode()``.
+        torch-xla cannot take a view (``t``, ``view``, ``select``) of a tensor made outside
+        inference mode, such as a weight or a KV cache, inside it; XLA platforms return
+        ``torch.no_grad()``."""
+        return torch.inference_mode()
+
+    def step_boundary(self) -> None:
+        """Called by the runner once per step, after the forward pass and before sampling.
+        Lazy-tracing devices (XLA) cut the step's traced graph here and launch it, so each
+        step is one cached program instead of a graph that grows with every step.
+        Default: nothing."""
 
     def empty_cache(self) -> None:
         """Release cached allocator memory. Default: nothing."""

@@ -42,7 +42,7 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(None, p, sp, final_only=True) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -26,6 +26,7 @@ import torch
 
 from core.attention import AttentionBackend, AttentionSpec
 from core.distributed import Communicator, SingleRank
+from core.models.layers import DENSE, LinearMethod
 from core.ops import Ops
 
 # HF architecture name -> "module:Class" (imported lazily).
@@ -51,6 +52,9 @@ class ModelContext:
     comm: Communicator = SingleRank()
     """Tensor-parallel group; SingleRank when TP is 1."""
     weight_format: str = "dense"
+    linear_method: LinearMethod = DENSE
+    """How linear layers keep and multiply by their weights: the platform's strategy for
+    ``weight_format`` (see Platform.linear_method)."""
 
 
 class ModelRegistry:

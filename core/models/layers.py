@@ -15,6 +15,11 @@ Loading: each layer has ``load_weight(param_name, tensor, shard=None)`` that tak
 checkpoint tensor (usually a memory-mapped view) and copies only this rank's slice into the
 parameter, so a rank never materialises more than its shard on its device.
 Parameters are created on ``ctx.device`` in ``ctx.dtype`` with ``requires_grad=False``.
+
+Weight formats: the column/row-parallel layers multiply through ``ctx.linear_method``, a
+:class:`LinearMethod` strategy chosen by the platform for ``--weight-format``. The dense
+``weight`` parameter stays the source of truth (loading and sharding above only see it); a
+method may derive a compact form from it, kept on the layer as ``packed_weight``.
 """
 
 from __future__ import annotations
@@ -131,6 +136,43 @@ def load_checkpoint(
             f"{type(model).__name__}, e.g. {missing[:5]}; it is incomplete or does not match "
             f"config.json"
         )
+    with torch.no_grad():
+        prepare_weights(model)
+
+
+# ---- weight formats ------------------------------------------------------------------------
+
+
+class LinearMethod:
+    """How linear layers keep and multiply by their weights: one object per weight format,
+    shared by every linear layer of a model. This base class is the ``dense`` format.
+
+    Invariants: a layer's dense ``weight`` [out_per_rank, in_per_rank] (in ``ctx.dtype``) is
+    what checkpoints load into, shard by shard; whatever a method derives from it lives in
+    ``layer.packed_weight``, which ``load_weight`` resets to None and :meth:`prepare` (run by
+    :func:`prepare_weights` after loading, or by :meth:`apply` on first use) rebuilds.
+    ``apply`` returns ``x``'s dtype and shape ``[..., out_per_rank]``.
+    """
+
+    name = "dense"
+
+    def prepare(self, layer: nn.Module) -> None:
+        """Derive ``layer.packed_weight`` from ``layer.weight``. Dense: nothing to derive."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ layer.weight.T + bias`` for this rank's slice of the weight."""
+        return F.linear(x, layer.weight, bias)
+
+
+DENSE = LinearMethod()
+"""The dense format (stateless, shared)."""
+
+
+def prepare_weights(model: nn.Module) -> None:
+    """Let every linear layer's method derive its weight form from the loaded weights."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.linear_method.prepare(module)
 
 
 # ---- linear layers -----------------------------------------------------------------------
@@ -157,12 +199,17 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.weight = _param(ctx, self.output_size_per_rank, input_size)
         self.bias = _param(ctx, self.output_size_per_rank) if bias else None
+        self.linear_method: LinearMethod = ctx.linear_method
+        self.packed_weight: Any = None
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, bias={self.bias is not None}"
+        return (
+            f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, "
+            f"bias={self.bias is not None}, format={self.linear_method.name}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear_method.apply(self, x, self.bias)
         if self.gather_output and self.comm.world_size > 1:
             y = self.comm.all_gather(y, dim=-1)
         return y
@@ -170,6 +217,7 @@ class ColumnParallelLinear(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         size, rank = self.output_size_per_rank, self.comm.rank
         _copy_into(getattr(self, name).data, _shard(tensor, 0, rank, size, name), name)
+        self.packed_weight = None
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -197,6 +245,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.sizes_per_rank[:shard])
         dst = getattr(self, name).data.narrow(0, offset, size)
         _copy_into(dst, _shard(tensor, 0, self.comm.rank, size, name), f"{name}[{shard}]")
+        self.packed_weight = None
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -248,6 +297,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             )
         dst = getattr(self, name).data.narrow(0, offset, size)
         _copy_into(dst, tensor.narrow(0, start, size), f"{shard}_proj.{name}")
+        self.packed_weight = None
 
 
 class RowParallelLinear(nn.Module):
@@ -264,14 +314,19 @@ class RowParallelLinear(nn.Module):
         self.output_size = output_size
         self.weight = _param(ctx, output_size, self.input_size_per_rank)
         self.bias = _param(ctx, output_size) if bias else None
+        self.linear_method: LinearMethod = ctx.linear_method
+        self.packed_weight: Any = None
 
     def extra_repr(self) -> str:
-        return f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, bias={self.bias is not None}"
+        return (
+            f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, "
+            f"bias={self.bias is not None}, format={self.linear_method.name}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+            return self.linear_method.apply(self, x, self.bias)
+        y = self.comm.all_reduce(self.linear_method.apply(self, x, None))
         return y + self.bias if self.bias is not None else y
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
@@ -280,6 +335,7 @@ class RowParallelLinear(nn.Module):
             return
         src = _shard(tensor, 1, self.comm.rank, self.input_size_per_rank, name)
         _copy_into(self.weight.data, src, name)
+        self.packed_weight = None
 
 
 # ---- vocabulary ----------------------------------------------------------------------------
@@ -335,13 +391,14 @@ class ParallelLMHead(nn.Module):
         self.vocab_start = ctx.comm.rank * self.rows_per_rank
         self.tied = tied is not None
         self.weight = tied.weight if tied is not None else _param(ctx, self.rows_per_rank, embedding_dim)
+        self.ops = ctx.ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 logits, gathered from all ranks."""
-        logits = F.linear(hidden, self.weight)
+        logits = self.ops.lm_head(hidden, self.weight)  # float32, see core.ops.lm_head
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
-        return logits[..., : self.num_embeddings].float()
+        return logits[..., : self.num_embeddings]
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         _load_vocab_rows(self, tensor, name)

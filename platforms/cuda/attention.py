@@ -16,7 +16,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from platforms.cuda.build import load_ops
@@ -65,11 +64,13 @@ class CudaPagedAttention(AttentionBackend):
     :param decode_partition: force the decode kernel: None follows
         :func:`choose_decode_partition`, 0 forces v1, a positive multiple of 16 forces v2 with
         that partition length (benchmarks and tests).
+    :param ops: the ``torch.ops.core_C`` namespace to call; None loads the CUDA build
+        (:func:`platforms.cuda.build.load_ops`). The ROCm backend passes its hipified build.
     """
 
     name = "cuda_paged"
 
-    def __init__(self, spec: AttentionSpec, decode_partition: int | None = None):
+    def __init__(self, spec: AttentionSpec, decode_partition: int | None = None, ops=None):
         super().__init__(spec)
         _check_spec(spec)
         if decode_partition is not None and (decode_partition < 0 or decode_partition % 16):
@@ -80,7 +81,7 @@ class CudaPagedAttention(AttentionBackend):
         self.decode_partition = decode_partition
         self.group = spec.num_heads // spec.num_kv_heads
         self.tiles = head_tiles(spec.num_heads, spec.num_kv_heads)
-        self._ops = load_ops()
+        self._ops = ops if ops is not None else load_ops()
         self._num_sms: int | None = None
 
     @staticmethod
@@ -191,6 +192,10 @@ class CudaPagedAttention(AttentionBackend):
         """Causal mask aligned to the end (query t sits at position kv_len - q_len + t)."""
         window = self.spec.sliding_window
         if window is None:
+            # Imported here: torch.nn.attention.bias pulls in torch._dynamo (~2 s), a cost
+            # every process that merely loads the plugin would otherwise pay.
+            from torch.nn.attention.bias import causal_lower_right
+
             return causal_lower_right(q_len, kv_len)
         q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
         k_pos = torch.arange(kv_len, device=device).unsqueeze(0)

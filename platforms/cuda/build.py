@@ -34,7 +34,9 @@ CXX_FLAGS = ("-O3",)
 
 def kernel_sources(csrc: Path = CSRC_DIR) -> list[Path]:
     """Every translation unit of the extension: device code (.cu) and op registration (.cpp)."""
-    return sorted(csrc.rglob("*.cu")) + sorted(csrc.rglob("*.cpp"))
+    return sorted(csrc.rglob("*.cu")) + sorted(
+        p for p in csrc.rglob("*.cpp") if "cpu" not in p.relative_to(csrc).parts[:1]
+    )  # csrc/cpu/ is the CPU platform's own extension
 
 
 def find_nvcc() -> str | None:

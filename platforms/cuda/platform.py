@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.platform import Capability, Platform, ProbeResult
+from core.platform import (
+    Capability,
+    DecodeGraphRunner,
+    DecodeGraphSpec,
+    ModelForward,
+    Platform,
+    ProbeResult,
+)
 from platforms.cuda.attention import (
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
@@ -53,7 +60,8 @@ class CudaPlatform(Platform):
     )
     verification = (
         "real hardware: NVIDIA H200, torch 2.11.0+cu130, driver 580.159.04 (tests/cuda and "
-        "the kernel benchmark, 2026-11-29; see docs/benchmarks/cuda_kernels.md)"
+        "the kernel and end-to-end benchmarks, 2026-11-29; see docs/benchmarks/cuda_kernels.md "
+        "and docs/benchmarks/cuda_e2e.md)"
     )
     device_visibility_env = "CUDA_VISIBLE_DEVICES"
 
@@ -107,8 +115,46 @@ class CudaPlatform(Platform):
             )
         return CudaPagedAttention
 
+    def ops(self) -> dict[str, Any]:
+        """Fused csrc kernels for RMSNorm (+ residual), SiLU-and-mul and rotary."""
+        from platforms.cuda.ops import cuda_ops
+
+        return cuda_ops()
+
     def distributed_backend(self) -> str:
         return "nccl"
+
+    # ---- memory ------------------------------------------------------------------------------
+    def kv_cache_budget(
+        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
+    ) -> int:
+        """``memory_utilization`` of the device minus ``weights_bytes`` (the profiled peak of
+        weights plus activations) minus what other processes and the CUDA context hold.
+
+        Memory held by this process's caching allocator is not "other": it is freed here
+        first, and what stays allocated is part of ``weights_bytes``.
+        """
+        if requested_bytes is not None:
+            return requested_bytes
+        torch.cuda.empty_cache()
+        free, total = self.memory_info(torch.cuda.current_device())
+        others = max(0, total - free - torch.cuda.memory_reserved())
+        return max(0, int(total * memory_utilization) - others - weights_bytes)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated())
+
+    # ---- graphs ------------------------------------------------------------------------------
+    def decode_graph_runner(
+        self, model: ModelForward, kv_caches: list[torch.Tensor], spec: DecodeGraphSpec
+    ) -> DecodeGraphRunner | None:
+        """Per-bucket CUDA graphs of decode steps (see :mod:`platforms.cuda.graphs`)."""
+        from platforms.cuda.graphs import CudaDecodeGraphs
+
+        return CudaDecodeGraphs(model, kv_caches, spec)
 
     # ---- runtime -----------------------------------------------------------------------------
     def synchronize(self) -> None:

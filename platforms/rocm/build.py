@@ -43,7 +43,9 @@ WAVE64_ARCH_PREFIX = "gfx9"
 
 def kernel_sources(csrc: Path = CSRC_DIR) -> list[Path]:
     """The extension's translation units, as on CUDA (platforms.cuda.build.kernel_sources)."""
-    return sorted(csrc.rglob("*.cu")) + sorted(csrc.rglob("*.cpp"))
+    return sorted(csrc.rglob("*.cu")) + sorted(
+        p for p in csrc.rglob("*.cpp") if "cpu" not in p.relative_to(csrc).parts[:1]
+    )  # csrc/cpu/ is the CPU platform's own extension
 
 
 def find_hipcc() -> str | None:

@@ -1,0 +1,205 @@
+"""Where a step's time goes: one engine's model runner driven with synthetic schedules.
+
+``python -m core.benchmarks.model_step --model DIR --load-format dummy --platform cuda ...``
+
+For each op table (``--ops fused``: the platform's own, ``reference``: core.ops' torch
+defaults through an op-override plugin, the extension point a vendor would use) it times:
+
+* decode steps of ``--decode-batches`` sequences at ``--context`` cached tokens, replayed
+  from graphs and eagerly (``runner.execute``: inputs, forward, LM head, sampler);
+* the host-side pieces alone: ``prepare_inputs`` and the sampler on fixed logits;
+* a prefill step of ``--prefill-seqs`` prompts of ``--prefill-len`` tokens;
+
+and, with ``--profile-dir``, writes torch.profiler tables (by device time) of one decode and
+one prefill step. Timing is wall clock around ``--iters`` steps with the platform
+synchronised before and after (what the engine loop sees). The KV cache is filled with
+random values first: timing on zeros can flatter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import core
+from core.engine import LLMEngine
+from core.engine_args import EngineArgs
+from core.ops import DEFAULT_OPS
+from core.platform import Platform
+from core.plugins import load_plugins
+from core.sampling_params import SamplingParams
+from core.scheduler import ScheduledSequence, SchedulerOutput
+
+
+class ReferenceOps:
+    """Plugin that puts core.ops' torch defaults back in place of a platform's kernels."""
+
+    CORE_PLUGIN_API = ">=1.0,<2"
+
+    @core.hookimpl
+    def core_op_overrides(self, platform_name):
+        return dict(DEFAULT_OPS)
+
+
+def decode_schedule(batch: int, context: int, block_size: int, params, vocab: int):
+    """``batch`` decode sequences with ``context`` tokens each (the last one new), on
+    disjoint blocks after block 0 (the null block)."""
+    per_seq = -(-context // block_size)
+    seqs = tuple(
+        ScheduledSequence(
+            seq_id=i, request_id=f"d{i}", token_ids=((1000 + i) % vocab,), start_pos=context - 1,
+            block_table=tuple(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
+            sample=True, params=params, output_index=5,
+        )
+        for i in range(batch)
+    )
+    return SchedulerOutput(scheduled=seqs, num_prefills=0, num_batched_tokens=batch)
+
+
+def prefill_schedule(seqs: int, length: int, block_size: int, params, vocab: int):
+    per_seq = -(-length // block_size)
+    rows = tuple(
+        ScheduledSequence(
+            seq_id=i, request_id=f"p{i}", token_ids=tuple((7 * i + j) % vocab for j in range(length)),
+            start_pos=0, block_table=tuple(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
+            sample=True, params=params, output_index=0,
+        )
+        for i in range(seqs)
+    )
+    return SchedulerOutput(scheduled=rows, num_prefills=seqs, num_batched_tokens=seqs * length)
+
+
+def timed(fn, iters: int, sync) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs (2 warm-ups), synchronised around each."""
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_table(fn, path: str, rows: int = 25) -> str:
+    from torch.profiler import profile, supported_activities
+
+    fn()
+    with profile(activities=list(supported_activities())) as prof:
+        fn()
+    sort = "self_device_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort, row_limit=rows)
+    except Exception:  # a build without device events
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    with open(path, "w") as f:
+        f.write(table)
+    return table
+
+
+def decode_row(engine, batch: int, ns, params, greedy) -> dict:
+    """Timings (ms) of decode steps of ``batch`` sequences and of their host-side parts."""
+    runner, sync = engine.executor.runner, engine.platform.synchronize
+    graphs = runner.graphs
+    sched = decode_schedule(batch, ns.context, runner.block_size, params, engine.vocab_size)
+    gsched = dataclasses.replace(sched, scheduled=tuple(
+        dataclasses.replace(s, params=greedy) for s in sched.scheduled))
+    ids, pos, md = runner.prepare_inputs(sched)
+    logits = torch.randn(batch, engine.vocab_size, device=ids.device)
+    row = {"batch": batch, "context": ns.context}
+    if graphs is not None:
+        row["graph_step_ms"] = timed(lambda: runner.execute(sched), ns.iters, sync)
+        row["forward_graph_ms"] = timed(lambda: graphs.run(ids, pos, md), ns.iters, sync)
+    runner.graphs = None
+    row["eager_step_ms"] = timed(lambda: runner.execute(sched), ns.iters, sync)
+    runner.graphs = graphs
+    row["forward_eager_ms"] = timed(lambda: runner.model(ids, pos, runner.kv_caches, md), ns.iters, sync)
+    row["prepare_inputs_ms"] = timed(lambda: runner.prepare_inputs(sched), ns.iters, sync)
+    row["sampler_ms"] = timed(lambda: runner.sampler(logits, sched.scheduled), ns.iters, sync)
+    row["sampler_greedy_ms"] = timed(lambda: runner.sampler(logits, gsched.scheduled), ns.iters, sync)
+    return {k: round(v * 1e3, 3) if k.endswith("_ms") else v for k, v in row.items()}
+
+
+def write_profiles(engine, ns, variant: str, params) -> None:
+    """torch.profiler tables: an eager decode step, a prefill step, a graph decode step."""
+    runner = engine.executor.runner
+    graphs, vocab, bs = runner.graphs, engine.vocab_size, runner.block_size
+    os.makedirs(ns.profile_dir, exist_ok=True)
+    small, big = ns.decode_batches[0], ns.decode_batches[-1]
+    sched = decode_schedule(small, ns.context, bs, params, vocab)
+    runner.graphs = None
+    profile_table(lambda: runner.execute(sched), os.path.join(ns.profile_dir, f"{variant}_decode{small}_eager.txt"))
+    runner.graphs = graphs
+    psched = prefill_schedule(ns.prefill_seqs, ns.prefill_len, bs, params, vocab)
+    profile_table(lambda: runner.execute(psched), os.path.join(ns.profile_dir, f"{variant}_prefill.txt"))
+    if graphs is not None:
+        dsched = decode_schedule(big, ns.context, bs, params, vocab)
+        profile_table(lambda: runner.execute(dsched), os.path.join(ns.profile_dir, f"{variant}_decode{big}_graph.txt"))
+
+
+@torch.inference_mode()
+def measure(ns, variant: str) -> tuple[dict, Platform]:
+    plugins = load_plugins()
+    if variant == "reference":
+        plugins.register(ReferenceOps(), "reference-ops")
+    engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns), plugins)
+    runner = engine.executor.runner
+    for cache in runner.kv_caches:
+        cache.normal_()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1000)
+    sampled = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=1000)
+    out: dict = {"variant": variant, "decode": [], "prefill": {}}
+    if runner.graphs is not None:  # every bucket up front: the cost of capturing at start
+        out["capture_all_s"] = round(runner.graphs.capture_all(), 3)
+        out["buckets"] = len(runner.graphs.buckets)
+        print(variant, "captured", out["buckets"], "graphs in", out["capture_all_s"], "s", flush=True)
+    for batch in ns.decode_batches:
+        row = decode_row(engine, batch, ns, sampled, greedy)
+        out["decode"].append(row)
+        print(variant, json.dumps(row), flush=True)
+    psched = prefill_schedule(ns.prefill_seqs, ns.prefill_len, runner.block_size, sampled, engine.vocab_size)
+    step = timed(lambda: runner.execute(psched), max(3, ns.iters // 4), engine.platform.synchronize)
+    out["prefill"] = {"seqs": ns.prefill_seqs, "len": ns.prefill_len, "step_ms": round(step * 1e3, 3)}
+    print(variant, "prefill", json.dumps(out["prefill"]), flush=True)
+    if ns.profile_dir:
+        write_profiles(engine, ns, variant, sampled)
+    engine.shutdown()
+    return out, engine.platform
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill-seqs", type=int, default=2)
+    p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ops", choices=["fused", "reference", "both"], default="both")
+    p.add_argument("--profile-dir", default=None)
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+    ns = p.parse_args(argv)
+    variants = ["fused", "reference"] if ns.ops == "both" else [ns.ops]
+    results = []
+    for v in variants:
+        result, platform = measure(ns, v)
+        results.append(result)
+        gc.collect()  # the engine (its KV cache) must be gone before the next one sizes its own
+        platform.empty_cache()
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
