@@ -1,8 +1,13 @@
-"""CPU attention: SDPA for prompts, a block-table gather for decode.
+"""CPU attention: SDPA for prompts; for decode, a paged kernel or a block-table gather.
 
 KV layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys then values),
 so one slot's key is a contiguous ``[num_kv_heads, head_size]`` row and writes are one
 ``index_copy_`` over the flattened slot dimension.
+
+Two backends share that layout and the prompt path: :class:`CpuAttentionBackend`
+(``cpu_sdpa``, plain torch) and :class:`CpuPagedAttentionBackend` (``cpu_paged``, the
+csrc/cpu kernels for cache writes and decode), which the platform picks when the kernels
+load.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.attention import AttentionBackend, AttentionMetadata
+from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from platforms.cpu.kernels import load_kernels
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -37,7 +43,7 @@ class CpuAttentionBackend(AttentionBackend):
         if metadata.num_prefills:
             self._prefill(query, key, value, kv_cache, metadata, out)
         if metadata.num_decode_tokens:
-            out[n_pre:] = self._decode(query[n_pre:], kv_cache, metadata)
+            self._decode_into(out[n_pre:], query[n_pre:], kv_cache, metadata)
         return out
 
     # ---- prompts ----------------------------------------------------------------------
@@ -76,32 +82,35 @@ class CpuAttentionBackend(AttentionBackend):
         return k.to(self.spec.dtype), v.to(self.spec.dtype)
 
     # ---- decode -----------------------------------------------------------------------
+    def _decode_into(self, out, query, kv_cache, md: AttentionMetadata) -> None:
+        out.copy_(self._decode(query, kv_cache, md))
+
     def _decode(self, query, kv_cache, md: AttentionMetadata) -> torch.Tensor:
-        """One new token per sequence; gather each context (padded to the longest)."""
+        """One new token per sequence; gather each context (padded to the longest).
+
+        Plain batched matmuls: for one query row per sequence they beat SDPA's CPU flash
+        kernel, whose tiling is built for long query blocks (measured in docs/benchmarks/cpu.md).
+        """
         first = md.num_prefills
         seq_lens = md.seq_lens[first:].long()
         tables = md.block_tables[first:].long()
         bs = kv_cache.shape[2]
-        max_len = int(seq_lens.max())
+        max_len = max(md.seq_lens_host[first:]) if md.seq_lens_host else int(seq_lens.max())
         pos = torch.arange(max_len)
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, L]
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
         b, kvh, d = slots.shape[0], flat.shape[2], flat.shape[3]
-        k = flat[0].index_select(0, slots.reshape(-1)).view(b, max_len, kvh, d).transpose(1, 2)
+        group = query.shape[1] // kvh
+        k = flat[0].index_select(0, slots.reshape(-1)).view(b, max_len, kvh, d).permute(0, 2, 3, 1)
         v = flat[1].index_select(0, slots.reshape(-1)).view(b, max_len, kvh, d).transpose(1, 2)
-        allowed = pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+        q = query.view(b, kvh, group, d).to(k.dtype)
+        scores = torch.matmul(q, k).float() * self.spec.softmax_scale  # [B, KVH, G, L]
+        masked = pos.unsqueeze(0) >= seq_lens.unsqueeze(1)  # [B, L]
         if self.spec.sliding_window is not None:
-            allowed &= pos.unsqueeze(0) >= (seq_lens - self.spec.sliding_window).unsqueeze(1)
-        q = query.unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            q,
-            k.to(q.dtype),
-            v.to(q.dtype),
-            attn_mask=allowed[:, None, None, :],
-            scale=self.spec.softmax_scale,
-            enable_gqa=True,
-        )
-        return o.squeeze(2)
+            masked |= pos.unsqueeze(0) < (seq_lens - self.spec.sliding_window).unsqueeze(1)
+        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).view(b, kvh * group, d).to(query.dtype)
 
     # ---- block moves ------------------------------------------------------------------
     @staticmethod
@@ -119,3 +128,54 @@ class CpuAttentionBackend(AttentionBackend):
         s = pairs[:, 0].to(device=src.device, dtype=torch.long)
         d = pairs[:, 1].to(device=dst.device, dtype=torch.long)
         dst.index_copy_(1, d, src.index_select(1, s).to(dst.device))
+
+
+class CpuPagedAttentionBackend(CpuAttentionBackend):
+    """The csrc/cpu kernels for cache writes and decode; prompts as :class:`CpuAttentionBackend`.
+
+    Decode reads each sequence's blocks in place (no padded gather), reads every cached
+    key/value row once for all query heads of its group, and computes in fp32. Inputs the
+    kernels do not take (a query whose heads are not contiguous rows, mixed dtypes) use the
+    torch path.
+
+    :raises RuntimeError: from construction, when the kernels cannot be built here.
+    """
+
+    name = "cpu_paged"
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(spec)
+        kernels = load_kernels()
+        self._write_kv = kernels.write_kv.default
+        self._paged_decode = kernels.paged_decode.default
+        self._window = spec.sliding_window or 0
+
+    @staticmethod
+    def _heads_are_rows(t: torch.Tensor) -> bool:
+        return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
+        fits = (
+            self._heads_are_rows(key) and self._heads_are_rows(value)
+            and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        )
+        if not fits:
+            super().write_kv(key, value, kv_cache, slot_mapping)
+            return
+        self._write_kv(key, value, kv_cache, slot_mapping)
+
+    def _decode_into(self, out, query, kv_cache, md: AttentionMetadata) -> None:
+        first = md.num_prefills
+        tables, seq_lens = md.block_tables[first:], md.seq_lens[first:]
+        fits = (
+            self._heads_are_rows(query) and self._heads_are_rows(out)
+            and query.dtype == kv_cache.dtype and out.dtype == kv_cache.dtype
+            and tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+        )
+        if not fits:
+            super()._decode_into(out, query, kv_cache, md)
+            return
+        self._paged_decode(
+            out, query, kv_cache, tables, seq_lens.contiguous(), self.spec.softmax_scale, self._window
+        )

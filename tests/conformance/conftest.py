@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(conformance_plugin, "core_conformance")
 
 
-@pytest.fixture(scope="session", params=PLATFORMS)
+@pytest.fixture(scope="module", params=PLATFORMS)  # module: the HPU opt-in must not outlive it
 def core_platform(request: pytest.FixtureRequest):
     """Each platform in turn, selected through the engine's discovery path."""
     with pytest.MonkeyPatch.context() as mp:

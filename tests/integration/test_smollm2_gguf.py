@@ -45,7 +45,7 @@ def test_greedy_chat_replies_match_hf(gguf_path):
         expected.append(out[0, ids["input_ids"].shape[1]:].tolist())
     del hf
 
-    llm = LLM(max_model_len=1024, kv_cache_memory="256MiB")
+    llm = LLM(max_model_len=1024, kv_cache_memory="256MiB", dtype="float32", weight_format="dense")
     outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == expected

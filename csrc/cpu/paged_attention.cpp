@@ -1,0 +1,284 @@
+// Paged KV cache ops of the CPU attention backend (platforms/cpu/attention.py).
+//
+// Cache layout: [2, num_blocks, block_size, kv_heads, head_size] (keys, then values), so one
+// slot's key is a contiguous [kv_heads, head_size] row.
+//
+// Decode reads each sequence's blocks straight from the cache (no gather into a padded
+// copy) and, for grouped-query attention, reads every key/value row once for all the query
+// heads of its group. Scores, softmax and the weighted sum are fp32 whatever the cache dtype.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_math.h"
+
+namespace core_cpu {
+
+inline float to_f32(c10::Half v) { return static_cast<float>(v); }
+template <>
+inline c10::Half from_f32<c10::Half>(float v) {
+  return c10::Half(v);
+}
+
+template <typename F>
+void dispatch_cache_types(at::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(bf16_t{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t, " (float32, bfloat16, float16)");
+  }
+}
+
+void check_cache(const at::Tensor& kv_cache, const char* op) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), op,
+              ": kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_size] tensor, got ",
+              kv_cache.sizes());
+}
+
+// [tokens, heads, head_size] with each token's heads one contiguous row (any token stride).
+void check_head_rows(const at::Tensor& t, int64_t heads, int64_t d, const char* what) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == heads && t.size(2) == d && t.stride(2) == 1 && t.stride(1) == d,
+              what, " must be [tokens, ", heads, ", ", d, "] with contiguous heads, got sizes ", t.sizes(),
+              " strides ", t.strides());
+}
+
+// Stores key/value rows at their slots; negative slots are padding and skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slots) {
+  check_cache(kv_cache, "write_kv");
+  const int64_t kvh = kv_cache.size(3), d = kv_cache.size(4), row = kvh * d;
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), tokens = key.size(0);
+  check_head_rows(key, kvh, d, "write_kv key");
+  check_head_rows(value, kvh, d, "write_kv value");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "write_kv: key/value dtype must be the cache's");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.numel() == tokens
+              && value.size(0) == tokens, "write_kv: slot_mapping must be contiguous int64 [tokens]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] < num_slots, "write_kv: slot ", sp[t], " is outside the cache's ", num_slots, " slots");
+  }
+  const int64_t es = kv_cache.element_size();
+  char* kdst = static_cast<char*>(kv_cache.data_ptr());
+  char* vdst = kdst + num_slots * row * es;
+  const char* ksrc = static_cast<const char*>(key.data_ptr());
+  const char* vsrc = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
+  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (sp[t] < 0) continue;
+      std::memcpy(kdst + sp[t] * row * es, ksrc + t * ks, row * es);
+      std::memcpy(vdst + sp[t] * row * es, vsrc + t * vs, row * es);
+    }
+  });
+}
+
+template <typename T>
+struct DecodeArgs {
+  T* out;
+  const T* query;
+  int64_t out_stride, q_stride;  // elements between tokens
+  const T* keys;                 // cache[0]
+  const T* values;               // cache[1]
+  int64_t num_blocks, block_size, kv_heads, head_size, group;
+  const int32_t* tables;
+  int64_t table_stride, table_width;
+  const int32_t* seq_lens;
+  float scale;
+  int64_t window;  // <= 0: attend to the whole context
+};
+
+// Positions [start, len) of sequence b, block by block: f(row of kv head h, position - start).
+template <typename T, typename F>
+inline void for_each_row(const DecodeArgs<T>& a, const T* base, int64_t b, int64_t h, int64_t start, int64_t len,
+                         F&& f) {
+  const int32_t* table = a.tables + b * a.table_stride;
+  const int64_t bs = a.block_size, row_stride = a.kv_heads * a.head_size;
+  for (int64_t p = start; p < len;) {
+    const int64_t bi = p / bs, stop = std::min(len, (bi + 1) * bs);
+    const T* rows = base + static_cast<int64_t>(table[bi]) * bs * row_stride + h * a.head_size;
+    for (; p < stop; ++p) f(rows + (p - bi * bs) * row_stride, p - start);
+  }
+}
+
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
+// One (sequence, kv head): the `group` query heads that share it. Portable version.
+template <typename T>
+void decode_one(const DecodeArgs<T>& a, int64_t b, int64_t h, std::vector<float>& buf) {
+  const int64_t d = a.head_size, g_n = a.group;
+  const int64_t len = a.seq_lens[b], start = window_start(len, a.window), n = len - start;
+  buf.resize(static_cast<size_t>(g_n * (2 * d + n) + d));
+  float* q = buf.data();       // [group, d], pre-scaled
+  float* acc = q + g_n * d;    // [group, d]
+  float* row = acc + g_n * d;  // [d] one key/value row in fp32
+  float* scores = row + d;     // [group, n]
+  for (int64_t g = 0; g < g_n; ++g) {
+    const T* src = a.query + b * a.q_stride + (h * g_n + g) * d;
+    for (int64_t i = 0; i < d; ++i) q[g * d + i] = to_f32(src[i]) * a.scale;
+  }
+  for_each_row(a, a.keys, b, h, start, len, [&](const T* k, int64_t j) {
+    for (int64_t i = 0; i < d; ++i) row[i] = to_f32(k[i]);
+    for (int64_t g = 0; g < g_n; ++g) scores[g * n + j] = dot(q + g * d, row, d);
+  });
+  for (int64_t g = 0; g < g_n; ++g) softmax_inplace(scores + g * n, n);
+  std::fill(acc, acc + g_n * d, 0.f);
+  for_each_row(a, a.values, b, h, start, len, [&](const T* v, int64_t j) {
+    for (int64_t i = 0; i < d; ++i) row[i] = to_f32(v[i]);
+    for (int64_t g = 0; g < g_n; ++g) {
+      const float w = scores[g * n + j];
+      float* ag = acc + g * d;
+      for (int64_t i = 0; i < d; ++i) ag[i] += w * row[i];
+    }
+  });
+  for (int64_t g = 0; g < g_n; ++g) {
+    T* dst = a.out + b * a.out_stride + (h * g_n + g) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = from_f32<T>(acc[g * d + i]);
+  }
+}
+
+#if defined(__AVX512F__)
+// AVX-512 version for head sizes of NV * 16. A task takes kv heads [h0, h1) of one sequence,
+// up to kMaxQueries query heads: with all of a sequence's heads in one task, each cached
+// position's keys (all heads, one contiguous row) are read once and completely, so the cache
+// streams from memory in whole lines instead of a head's slice of each row per task.
+constexpr int64_t kMaxQueries = 32;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T, int NV>
+void decode_heads_avx512(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& buf) {
+  constexpr int64_t D = NV * 16;
+  const int64_t g_n = a.group, nq = (h1 - h0) * g_n;  // query heads of this task
+  const int64_t len = a.seq_lens[b], start = window_start(len, a.window), n = len - start;
+  buf.resize(static_cast<size_t>(nq * n));
+  float* scores = buf.data();  // [nq, n]
+  __m512 q[kMaxQueries][NV];
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const T* qsrc = a.query + b * a.q_stride + h0 * g_n * D;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int v = 0; v < NV; ++v) q[i][v] = _mm512_mul_ps(load16(qsrc + i * D + 16 * v), scale);
+  for_each_row(a, a.keys, b, h0, start, len, [&](const T* k, int64_t j) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      __m512 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = load16(k + h * D + 16 * v);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t i = h * g_n + g;
+        __m512 acc = _mm512_mul_ps(q[i][0], kv[0]);
+        for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[i][v], kv[v], acc);
+        scores[i * n + j] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  });
+  for (int64_t i = 0; i < nq; ++i) softmax_inplace(scores + i * n, n);
+  __m512 acc[kMaxQueries][NV];
+  for (int64_t i = 0; i < nq; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for_each_row(a, a.values, b, h0, start, len, [&](const T* val, int64_t j) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load16(val + h * D + 16 * v);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t i = h * g_n + g;
+        const __m512 w = _mm512_set1_ps(scores[i * n + j]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(w, vv[v], acc[i][v]);
+      }
+    }
+  });
+  alignas(64) float tmp[D];
+  T* dst = a.out + b * a.out_stride + h0 * g_n * D;
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(tmp + 16 * v, acc[i][v]);
+    for (int64_t e = 0; e < D; ++e) dst[i * D + e] = from_f32<T>(tmp[e]);
+  }
+}
+#endif
+
+template <typename T>
+void decode_heads_generic(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& buf) {
+  for (int64_t h = h0; h < h1; ++h) decode_one(a, b, h, buf);
+}
+
+template <typename T>
+using DecodeFn = void (*)(const DecodeArgs<T>&, int64_t, int64_t, int64_t, std::vector<float>&);
+
+// The routine for this head size and group, and how many kv heads one task may take.
+template <typename T>
+std::pair<DecodeFn<T>, int64_t> pick_decode(int64_t head_size, int64_t group) {
+#if defined(__AVX512F__)
+  if (group <= kMaxQueries) {
+    if (head_size == 64) return {&decode_heads_avx512<T, 4>, kMaxQueries / group};
+    if (head_size == 128) return {&decode_heads_avx512<T, 8>, kMaxQueries / group};
+  }
+#endif
+  (void)head_size;
+  (void)group;
+  return {&decode_heads_generic<T>, 1 << 20};
+}
+
+// out[b] = softmax(scale * q[b] K^T) V over sequence b's cached positions (its last
+// `window` ones when window > 0). query/out: [seqs, heads, head_size].
+void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  check_cache(kv_cache, "paged_decode");
+  const int64_t seqs = query.size(0), heads = query.size(1);
+  const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3), d = kv_cache.size(4);
+  check_head_rows(query, heads, d, "paged_decode query");
+  check_head_rows(out, heads, d, "paged_decode out");
+  TORCH_CHECK(heads % kvh == 0, "paged_decode: ", heads, " query heads are not a multiple of ", kvh, " kv heads");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
+              "paged_decode: query/out dtype must be the cache's");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seqs && block_tables.stride(1) == 1
+              && block_tables.scalar_type() == at::kInt, "paged_decode: block_tables must be int32 [seqs, blocks]");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() == seqs && seq_lens.scalar_type() == at::kInt,
+              "paged_decode: seq_lens must be contiguous int32 [seqs]");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t b = 0; b < seqs; ++b) {  // validate once so the kernel can index freely
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= width, "paged_decode: sequence ", b, " has length ",
+                lens[b], " but its block table holds ", width, " blocks of ", bs);
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
+      const int32_t blk = tables[b * block_tables.stride(0) + i];
+      TORCH_CHECK(blk >= 0 && blk < nb, "paged_decode: block ", blk, " of sequence ", b, " is outside [0, ", nb, ")");
+    }
+  }
+  dispatch_cache_types(query.scalar_type(), "paged_decode", [&](auto tag) {
+    using T = decltype(tag);
+    const T* keys = reinterpret_cast<const T*>(kv_cache.data_ptr());
+    DecodeArgs<T> a{reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(query.data_ptr()),
+                    out.stride(0), query.stride(0), keys, keys + nb * bs * kvh * d, nb, bs, kvh, d, heads / kvh,
+                    tables, block_tables.stride(0), width, lens, static_cast<float>(scale), window};
+    const auto [decode, max_heads] = pick_decode<T>(d, heads / kvh);
+    // Whole sequences per task when there are enough of them to keep every thread busy;
+    // otherwise one kv head per task, so a lone long sequence still uses all threads.
+    const int64_t per_task = seqs >= at::get_num_threads() ? std::min(kvh, max_heads) : 1;
+    const int64_t chunks = (kvh + per_task - 1) / per_task;
+    at::parallel_for(0, seqs * chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h0 = (task % chunks) * per_task;
+        decode(a, task / chunks, h0, std::min(kvh, h0 + per_task), buf);
+      }
+    });
+  });
+}
+
+}  // namespace core_cpu

@@ -1,0 +1,175 @@
+"""CPU weight formats (``--weight-format``): weight-only quantized matmuls for small steps.
+
+A decode step of a few sequences multiplies a handful of activation rows by every weight of
+the model, so it is bound by reading the weights: torch's weight-only int4 / int8 CPU
+kernels read 4x / 2x fewer bytes than bf16 and beat oneDNN's bf16 GEMV by 3-4x at one row
+(docs/benchmarks/cpu.md). With many rows (prompts, large decode batches) the multiply is
+compute-bound and oneDNN's bf16 GEMM wins, so each format keeps the layer's dense weight
+too and picks per call by the number of rows. Activations go to the quantized kernels as
+bf16 (they take nothing else); the result returns in the model dtype.
+
+Formats:
+
+* ``int4``: groups of 32 input features share a bf16 scale and zero point (asymmetric, codes
+  0..15). A GGUF Q4_1 checkpoint (the embedded SmolLM2) already lies on such a grid, its
+  blocks spanning codes 0 to 15, so its codes come back exactly and only the scales are
+  rounded to bf16.
+* ``int8``: one bf16 scale per output row (symmetric, codes -127..127).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.models.layers import DENSE, LinearMethod
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    weight: torch.Tensor
+    """[out, in / 2] uint8, torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu)."""
+    scales_and_zeros: torch.Tensor
+    """[in / 32, out, 2] bf16: w = (code - 8) * scale + zero."""
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    weight: torch.Tensor
+    """[out, in] int8."""
+    scales: torch.Tensor
+    """[out] bf16: w = code * scale."""
+
+
+_PACK_ROWS = 64
+"""Rows quantized at a time (torch's int4 CPU packing works in blocks of 64 rows)."""
+
+_STAY_DENSE = "stay-dense"
+"""``packed_weight`` of a layer whose shape the format cannot pack: it multiplies densely."""
+
+
+class QuantizedLinear(LinearMethod):
+    """Quantized weights (by ``codec``) for steps of at most ``codec.max_rows`` activation
+    rows; the dense weight for larger steps."""
+
+    def __init__(self, codec: Int4Codec | Int8Codec):
+        self.codec = codec
+        self.name = codec.name
+
+    def prepare(self, layer: nn.Module) -> None:
+        packed = self.codec.quantize(layer.weight.detach())
+        layer.packed_weight = _STAY_DENSE if packed is None else packed
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if rows > self.codec.max_rows or rows == 0:
+            return F.linear(x, layer.weight, bias)
+        if layer.packed_weight is None:
+            self.prepare(layer)
+        packed = layer.packed_weight
+        if packed is _STAY_DENSE:
+            return F.linear(x, layer.weight, bias)
+        # A decode step's activations are already 2-D contiguous bf16: no conversion calls.
+        plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
+        y = self.codec.matmul(x if plain else x.reshape(rows, k).to(torch.bfloat16).contiguous(), packed)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int4Codec:
+    """``int4``: asymmetric 4-bit codes in groups of 32 input features (see module doc)."""
+
+    name = "int4"
+    group_size = 32
+    max_rows = 12
+    """Measured crossover with oneDNN bf16 on AVX-512 (Zen 4): int4 wins up to ~16 rows."""
+
+    def __init__(self) -> None:
+        self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # resolved once
+
+    def __reduce__(self):  # op handles do not pickle; a new process resolves its own
+        return type(self), ()
+
+    def quantize(self, weight: torch.Tensor) -> PackedInt4 | None:
+        """None when torch's CPU int4 packing cannot take the shape."""
+        out_features, in_features = weight.shape
+        if in_features % self.group_size or out_features % 16:
+            return None
+        # torch packs rows in independent blocks of 64: packing 64-row chunks keeps the
+        # temporaries (fp32 copies, int32 codes) small, so loading does not leave hundreds
+        # of MB of freed-but-held heap behind.
+        step = _PACK_ROWS if out_features % _PACK_ROWS == 0 else out_features
+        packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+        groups = in_features // self.group_size
+        sz = torch.empty(groups, out_features, 2, dtype=torch.bfloat16)
+        for start in range(0, out_features, step):
+            codes, scale, zero = self._codes(weight[start : start + step])
+            packed[start : start + step] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            sz[:, start : start + step, 0] = scale.t()
+            sz[:, start : start + step, 1] = zero.t()
+        return PackedInt4(packed, sz)
+
+    def _codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int32 codes [rows, in], scale and zero [rows, groups] of a block of rows."""
+        w = rows.float().unflatten(1, (-1, self.group_size))
+        low, high = w.amin(-1), w.amax(-1)
+        scale = (high - low) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: code 0
+        codes = torch.round((w - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15)
+        zero = low + 8 * scale  # the kernel computes (code - 8) * scale + zero
+        return codes.flatten(1).to(torch.int32), scale, zero
+
+    def matmul(self, x: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
+        return self._mm(x, packed.weight, self.group_size, packed.scales_and_zeros)
+
+
+class Int8Codec:
+    """``int8``: symmetric 8-bit codes with one scale per output row."""
+
+    name = "int8"
+    max_rows = 8
+    """Measured crossover with oneDNN bf16 on AVX-512 (Zen 4): int8 wins up to ~12 rows."""
+
+    def __init__(self) -> None:
+        self._mm = torch.ops.aten._weight_int8pack_mm.default  # resolved once
+
+    def __reduce__(self):  # op handles do not pickle; a new process resolves its own
+        return type(self), ()
+
+    def quantize(self, weight: torch.Tensor) -> PackedInt8:
+        codes = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+        for start in range(0, weight.shape[0], _PACK_ROWS):  # small temporaries, as int4
+            w = weight[start : start + _PACK_ROWS].float()
+            scale = w.abs().amax(dim=1) / 127
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            codes[start : start + _PACK_ROWS] = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127)
+            scales[start : start + _PACK_ROWS] = scale
+        return PackedInt8(codes, scales)
+
+    def matmul(self, x: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
+        return self._mm(x, packed.weight, packed.scales)
+
+
+def linear_method(weight_format: str) -> LinearMethod:
+    """The method for a CPU weight format name (see :data:`WEIGHT_FORMATS`)."""
+    if weight_format == "dense":
+        return DENSE
+    if weight_format not in _CODECS:
+        raise ValueError(
+            f"weight format {weight_format!r} is not supported by platform 'cpu'; use one of "
+            f"{list(WEIGHT_FORMATS)}"
+        )
+    return QuantizedLinear(_CODECS[weight_format]())
+
+
+_CODECS = {"int4": Int4Codec, "int8": Int8Codec}
+WEIGHT_FORMATS = ("dense", *_CODECS)
+"""The CPU platform's weight formats (``--weight-format``)."""
