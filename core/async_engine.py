@@ -185,11 +185,16 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(fut)
 
     def check_health(self) -> None:
-        """Raise :class:`EngineDeadError` if the engine loop died or stopped."""
+        """Raise :class:`EngineDeadError` if the engine loop died or stopped, or a worker
+        process of the executor died. May block (a Ray ping): call it off the event loop."""
         with self._lock:
             self._raise_if_dead()
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
+        try:  # a tensor-parallel worker may have died while the engine sat idle
+            self.engine.executor.check_health()
+        except RuntimeError as e:
+            raise EngineDeadError(str(e)) from e
 
     @property
     def is_dead(self) -> bool:

@@ -141,6 +141,7 @@ class LLMEngine:
         platform.seed_everything(config.model.seed)
         self.executor = self._make_executor(plugins)
         self.kv_plan = self.executor.initialize()
+        self._warn_if_oversubscribed()
         c = config.cache
         self.block_manager = BlockManager(
             self.kv_plan.num_blocks, c.block_size, c.enable_prefix_caching, self.kv_plan.num_host_blocks
@@ -151,6 +152,20 @@ class LLMEngine:
         )
         self.vocab_size = int(getattr(config.model.hf_config, "vocab_size", 0) or len(self.tokenizer))
         self._ids = 0
+
+    def _warn_if_oversubscribed(self) -> None:
+        """max_num_seqs x max_model_len may exceed the cache: legal (most sequences are
+        short), but say so with the numbers instead of letting preemptions surprise."""
+        plan, want = self.kv_plan, self.config.scheduler.max_num_seqs
+        if plan.max_concurrent_at_max_len < want:
+            logger.warning(
+                "max_num_seqs %d x max_model_len %d would need %d KV blocks; the cache holds %d "
+                "(%d sequences at full length). Longer sequences will wait or be preempted; to run "
+                "all at full length raise --kv-cache-memory (or --gpu-memory-utilization) or lower "
+                "--max-num-seqs / --max-model-len",
+                want, plan.max_model_len, want * plan.blocks_per_max_len_seq,
+                plan.num_blocks - 1, plan.max_concurrent_at_max_len,
+            )
 
     @classmethod
     def from_args(cls, args: EngineArgs, plugins: Plugins | None = None) -> LLMEngine:

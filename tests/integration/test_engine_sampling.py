@@ -112,3 +112,21 @@ def test_logprobs_equal_hf_log_softmax(llm, model):
     for p in range(1, len(prompt)):
         assert out.prompt_logprobs[p][prompt[p]].logprob == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
     _all_free(llm)
+
+
+def test_chat_turns_generation_prompt_and_user_template(llm):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "quick fox"}]
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    # the model's template, with and without the generation prompt
+    for add in (True, False):
+        ids = tok.apply_chat_template(chat, add_generation_prompt=add, tokenize=True, return_dict=False)
+        want = llm.generate([list(ids)], sp, use_tqdm=False)[0].outputs[0].token_ids
+        got = llm.chat(chat, sp, add_generation_prompt=add, use_tqdm=False)[0]
+        assert list(got.prompt_token_ids) == list(ids) and got.outputs[0].token_ids == want
+    # a user-supplied template replaces the model's
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    out = llm.chat(chat, sp, chat_template=template, use_tqdm=False)[0]
+    text = "[system] Be brief.\n[user] Hello\n[assistant] Hi!\n[user] quick fox\n"
+    assert list(out.prompt_token_ids) == tok.encode(text, add_special_tokens=False)

@@ -97,8 +97,14 @@ async def _wait_idle(engine: AsyncLLMEngine, timeout: float = 10.0) -> bool:
 
 def test_cancelled_consumer_aborts(engine, finished):
     async def run():
-        task = asyncio.ensure_future(_collect(engine, "cancel me", _greedy(100)))
-        await asyncio.sleep(0.05)
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("cancel me", _greedy(100)):
+                first.set()
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()  # cancel mid-stream, not at a time that may be after the end
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -152,7 +152,7 @@ def _add_ops_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: Metrics) -> N
     async def health() -> Response:
         """200 while the engine loop runs; 503 once it died (restart the server)."""
         try:
-            engine.check_health()
+            await asyncio.to_thread(engine.check_health)
         except EngineDeadError as e:
             return OpenAIError(503, str(e), code="engine_dead").response()
         return JSONResponse({"status": "ok"})
