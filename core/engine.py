@@ -154,11 +154,11 @@ class LLMEngine:
         self._ids = 0
 
     def _warn_if_oversubscribed(self) -> None:
-        """max_num_seqs x max_model_len may exceed the cache: legal (most sequences are
-        short), but say so with the numbers instead of letting preemptions surprise."""
+        """max_num_seqs x max_model_len may exceed the cache: legal and common (most sequences
+        are short), so INFO, but with the numbers, so preemptions under load surprise no one."""
         plan, want = self.kv_plan, self.config.scheduler.max_num_seqs
         if plan.max_concurrent_at_max_len < want:
-            logger.warning(
+            logger.info(
                 "max_num_seqs %d x max_model_len %d would need %d KV blocks; the cache holds %d "
                 "(%d sequences at full length). Longer sequences will wait or be preempted; to run "
                 "all at full length raise --kv-cache-memory (or --gpu-memory-utilization) or lower "
