@@ -34,9 +34,9 @@ def _quantization(gguf_file: str | None) -> str | None:
     """"q4" when most of a GGUF's tensors are 4-bit (Q4_0, Q4_1, Q4_K), else None."""
     if gguf_file is None:
         return None
-    from core.gguf_file import GGUFIndex
+    from core.gguf_file import open_index
 
-    types = [t.qtype for t in GGUFIndex(gguf_file).tensors]
+    types = [t.qtype for t in open_index(gguf_file).tensors]
     four_bit = sum(t in (2, 3, 12) for t in types)  # ggml types Q4_0, Q4_1, Q4_K
     return "q4" if types and four_bit * 2 > len(types) else None
 

@@ -10,6 +10,7 @@ config and tokenizer are saved once under the cache directory and reloaded from 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -118,6 +119,18 @@ class GGUFIndex:
     def iter_tensors(self) -> Iterator[tuple[GGUFTensor, np.ndarray]]:
         for t in self.tensors:
             yield t, self.dequantize(t)
+
+
+def open_index(path: str) -> GGUFIndex:
+    """The :class:`GGUFIndex` of ``path``, parsed once per process per file version (the
+    engine reads it to choose a weight format and again to load the weights)."""
+    st = os.stat(path)
+    return _cached_index(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
+    return GGUFIndex(path)
 
 
 # ---- cache of what transformers derives from the file ------------------------------------------

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from core.config import ModelConfig
-from core.gguf_file import GGUFIndex, load_gguf_config
+from core.gguf_file import load_gguf_config, open_index
 from core.models import ModelContext, ModelRegistry
 from core.models.layers import RMSNorm
 
@@ -224,7 +224,7 @@ def undo_rope_permutation(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     import numpy as np
 
-    index = GGUFIndex(path)
+    index = open_index(path)
     arch = index.metadata.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(

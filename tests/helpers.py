@@ -22,33 +22,29 @@ import torch
 
 from core.attention import AttentionMetadata
 from core.config import ModelConfig
+from core.conformance.tiny_model import SPECIALS
+from core.conformance.tiny_model import TINY_LLAMA as CONFORMANCE_TINY_LLAMA
 from core.distributed import Communicator
 from core.model_loader import load_config, load_model
 from core.models import ModelContext, ModelRegistry
 from core.ops import Ops
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+SPECIAL_TOKENS = SPECIALS  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
 )
 
-TINY_LLAMA = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-    # HF's default 0.02 leaves attention almost uniform in a model this small, which would
-    # hide position bugs; 0.2 gives peaked attention and decisive logits.
-    initializer_range=0.2,
-)
+# The conformance suite's tiny Llama (same special ids, max length, 0.2 init for decisive
+# logits), narrower and with a bigger vocabulary and more heads for these tests.
+TINY_LLAMA = {
+    **CONFORMANCE_TINY_LLAMA,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 LLAMA3_ROPE = {
     # original_max_position_embeddings 64 with head_dim 16 puts some frequencies in each
