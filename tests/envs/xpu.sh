@@ -22,7 +22,7 @@ fi
 # (NameError: MoeModelOutputWithPast); 4.51.3 is the version IPEX 2.8 was validated with.
 "$venv/bin/pip" install --quiet \
     "torch==2.8.*" "intel-extension-for-pytorch==2.8.*" "transformers==4.51.3" \
-    -e "$repo[xpu,test]"
+    -e "${repo}[xpu,test]"
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
 print("xpu env:", {p: md.version(p) for p in ("torch", "intel-extension-for-pytorch", "transformers")})
