@@ -21,6 +21,15 @@ same order):
 
 Logprobs are ``log_softmax`` of the *raw* model logits (vLLM's default ``raw_logprobs``
 mode): what the model thinks, before penalties, bias, temperature and filters.
+
+On an accelerator the sampler does not wait for the device until it reads the result: which
+stages run and on which rows is decided from the rows' parameters on the host, and small
+host tensors reach the device through pinned memory with non-blocking copies. (Each
+``bool(t.any())`` or blocking copy would drain the stream, idling the GPU for a round trip:
+at batch 1 on an H200 those waits cost more than the sampling itself.) The exceptions are
+the stages that need data-dependent sizes or decisions: token penalties, logit bias,
+``min_tokens``, top-p (one read of whether every row's nucleus fits in its candidates),
+and requested logprobs.
 """
 
 from __future__ import annotations
@@ -100,41 +109,63 @@ class _Scratch:
         return torch.index_select(x, 0, idx, out=self.get(name, (len(idx), x.shape[1]), x))
 
 
+def _to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device):
+    """Host values as a tensor on ``device``, without waiting for the device: on CUDA (and
+    ROCm, whose torch device type is also ``cuda``) through pinned memory and a
+    non-blocking copy, since a blocking copy first waits for everything queued on the
+    stream; other devices get a plain copy. The caching host allocator keeps the pinned block
+    until the copy is done."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    t = t.to(dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(frozen=True)
 class _Batch:
-    """Per-row parameters of one step as tensors, and which optional stages are needed."""
+    """Per-row parameters of one step, kept on the host: which rows are greedy and which
+    optional stages run are host decisions, never device reads."""
 
-    greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor  # [B] float32 (1 for greedy rows, never used for them)
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float64, 1 = off
-    min_p: torch.Tensor  # [B] float32, 0 = off
+    greedy_rows: list[int]
+    random_rows: list[int]
+    temperatures: list[float]  # 1 for greedy rows (never used for them)
+    top_k: list[int]  # 0 = off
+    top_p: list[float]  # 1 = off
+    min_p: list[float]  # 0 = off
+    scaled: bool  # some row's temperature is not 1
     needs_processing: bool  # any min_tokens mask, logit bias or penalty this step
+    device: torch.device
 
     @staticmethod
     def build(rows: Sequence[ScheduledSequence], vocab_size: int, device: torch.device) -> _Batch:
         ps = [r.params for r in rows]
         greedy = [p.greedy for p in ps]
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, ps)]
         processing = any(
             p.logit_bias or p.needs_token_history or r.output_index < p.min_tokens
             for r, p in zip(rows, ps)
         )
         return _Batch(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, ps)],
-                dtype=torch.float32,
-                device=device,
-            ),
-            top_k=torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps],
-                dtype=torch.int64,
-                device=device,
-            ),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=device),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+            greedy_rows=[i for i, g in enumerate(greedy) if g],
+            random_rows=[i for i, g in enumerate(greedy) if not g],
+            temperatures=temps,
+            top_k=[p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps],
+            top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps],
+            scaled=any(t != 1.0 for t in temps),
             needs_processing=processing,
+            device=device,
         )
+
+    def temperature(self) -> torch.Tensor:
+        """[B] float32 on the device."""
+        return _to_device(self.temperatures, torch.float32, self.device)
+
+    def index(self, rows: list[int]) -> torch.Tensor:
+        return _to_device(rows, torch.int64, self.device)
 
 
 class Sampler:
@@ -183,19 +214,42 @@ class Sampler:
         logits = _check_logits(logits, len(rows), vocab_size)
         if not rows:
             return SamplerOutput([], [], [])
-        batch = _Batch.build(rows, logits.shape[1], logits.device)
-        top, argmax = logits.max(dim=-1)
-        lse = _logsumexp(logits, top, self._ws.get("exp", logits.shape, logits))
-        if bool(batch.greedy.all()) and not batch.needs_processing:
-            chosen, tokens = top, argmax  # fast path: nothing changes the argmax
-        else:
-            tokens = self._choose(logits, rows, batch)
-            chosen = logits.gather(1, tokens[:, None])[:, 0]
+        tokens, logprobs, lse = self._sample(logits, rows)
         ks = [r.params.logprobs for r in rows]
         tops = [None] * len(rows)
         if any(k is not None for k in ks):
             tops = _top_logprobs(logits, lse, tokens, ks, self._ws)
-        return SamplerOutput(tokens.tolist(), (chosen - lse).tolist(), tops)
+        # One read-back for both (token ids are exact in float64).
+        ids, lps = torch.stack((tokens.double(), logprobs.double())).tolist()
+        return SamplerOutput([int(t) for t in ids], lps, tops)
+
+    def sample_tensors(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[ScheduledSequence],
+        vocab_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``__call__`` without the read-back: (token ids [B] int64, their raw logprobs [B]
+        float32), on the logits' device. Apart from the data-dependent stages named in the
+        module docstring it never waits for the device (checked on the GPU with
+        ``torch.cuda.set_sync_debug_mode("error")``). Top logprobs are not computed."""
+        logits = _check_logits(logits, len(rows), vocab_size)
+        tokens, logprobs, _ = self._sample(logits, rows)
+        return tokens, logprobs
+
+    def _sample(
+        self, logits: torch.Tensor, rows: Sequence[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, raw logprobs of the tokens, logsumexp per row), all on the device."""
+        batch = _Batch.build(rows, logits.shape[1], logits.device)
+        top, argmax = logits.max(dim=-1)
+        lse = _logsumexp(logits, top, self._ws.get("exp", logits.shape, logits))
+        if not batch.random_rows and not batch.needs_processing:
+            chosen, tokens = top, argmax  # fast path: nothing changes the argmax
+        else:
+            tokens = self._choose(logits, rows, batch)
+            chosen = logits.gather(1, tokens[:, None])[:, 0]
+        return tokens, chosen - lse, lse
 
     def distribution(
         self,
@@ -210,28 +264,30 @@ class Sampler:
         batch = _Batch.build(rows, logits.shape[1], logits.device)
         work = self._scaled(logits, rows, batch)
         out = torch.zeros_like(logits)
-        greedy = batch.greedy.nonzero()[:, 0]
-        rand = (~batch.greedy).nonzero()[:, 0]
-        if len(greedy):
+        if batch.greedy_rows:
+            greedy = batch.index(batch.greedy_rows)
             out[greedy, self._ws.rows("sub", work, greedy).argmax(dim=-1)] = 1.0
-        if len(rand):
-            w = self._weights(work, rand, batch)
-            out[rand] = w / w.sum(dim=-1, keepdim=True)
+        if batch.random_rows:
+            w = self._weights(work, batch)
+            out[batch.index(batch.random_rows)] = w / w.sum(dim=-1, keepdim=True)
         return out
 
     def _choose(
         self, logits: torch.Tensor, rows: Sequence[ScheduledSequence], batch: _Batch
     ) -> torch.Tensor:
         work = self._scaled(logits, rows, batch)
+        if not batch.random_rows:
+            return work.argmax(dim=-1)
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-        greedy = batch.greedy.nonzero()[:, 0]
-        rand = (~batch.greedy).nonzero()[:, 0]
-        if len(greedy):
+        if batch.greedy_rows:
+            greedy = batch.index(batch.greedy_rows)
             tokens[greedy] = self._ws.rows("sub", work, greedy).argmax(dim=-1)
-        if len(rand):
-            w = self._weights(work, rand, batch)
-            u = self._uniforms([rows[i] for i in rand.tolist()]).to(logits.device)
-            tokens[rand] = _inverse_cdf(w, u)
+        w = self._weights(work, batch)
+        u = self._uniforms([rows[i] for i in batch.random_rows])
+        drawn = _inverse_cdf(w, _to_device(u, torch.float64, logits.device))
+        if not batch.greedy_rows:
+            return drawn
+        tokens[batch.index(batch.random_rows)] = drawn
         return tokens
 
     def _scaled(
@@ -240,16 +296,16 @@ class Sampler:
         """``logits / temperature`` (greedy rows count as temperature 1) after min_tokens,
         logit_bias and penalties; ``logits`` itself (never written) when that changes
         nothing."""
-        scale = bool((batch.temperature != 1.0).any())
-        if not scale and not batch.needs_processing:
+        if not batch.scaled and not batch.needs_processing:
             return logits
         work = self._ws.get("work", logits.shape, logits)
-        if scale:
-            torch.div(logits, batch.temperature[:, None], out=work)
+        temperature = batch.temperature()
+        if batch.scaled:
+            torch.div(logits, temperature[:, None], out=work)
         else:
             work.copy_(logits)
         if batch.needs_processing:
-            inv_t = batch.temperature.reciprocal()
+            inv_t = temperature.reciprocal()
             _mask_min_tokens(work, rows, self.eos_token_ids)
             _add_logit_bias(work, rows, inv_t)
             _apply_penalties(work, rows, inv_t)
@@ -258,13 +314,15 @@ class Sampler:
             torch.nan_to_num_(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max, neginf=float("-inf"))
         return work
 
-    def _weights(self, work: torch.Tensor, rand: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        """Unnormalised sampling weights [len(rand), V] of the non-greedy rows ``rand``."""
+    def _weights(self, work: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """Unnormalised sampling weights [R, V] of the R non-greedy rows, in row order."""
+        rand = batch.random_rows
+        sub = work if not batch.greedy_rows else self._ws.rows("rows", work, batch.index(rand))
         return _filter(
-            self._ws.rows("rows", work, rand),
-            batch.top_k[rand],
-            batch.top_p[rand],
-            batch.min_p[rand],
+            sub,
+            [batch.top_k[i] for i in rand],
+            [batch.top_p[i] for i in rand],
+            [batch.min_p[i] for i in rand],
             self.top_p_candidates,
             self._ws,
         )
@@ -426,33 +484,45 @@ def _check_history(rows: Sequence[ScheduledSequence]) -> None:
 
 def _filter(
     z: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
     candidates: int,
     ws: _Scratch,
 ) -> torch.Tensor:
     """Weights ``exp(z - max)`` of scaled logits ``z`` [R, V] with tokens below each
-    row's top-k / top-p / min-p cut-off set to 0, in scratch ``exp``. ``z`` is only read."""
+    row's top-k / top-p / min-p cut-off set to 0, in scratch ``exp``. ``z`` is only read;
+    the per-row parameters are host lists, so deciding what to run reads nothing back."""
+    dev = z.device
     z_max = z.amax(dim=-1)
-    k_cut = torch.full((z.shape[0],), float("-inf"), device=z.device)
-    has_k = top_k > 0
-    if bool(has_k.any()):
-        idx = has_k.nonzero()[:, 0]
-        kth = ws.rows("sub", z, idx).topk(int(top_k[idx].max()), dim=-1).values
-        k_cut[idx] = kth.gather(1, (top_k[idx] - 1)[:, None])[:, 0]
+    k_cut = torch.full((z.shape[0],), float("-inf"), device=dev)
+    k_rows = [i for i, k in enumerate(top_k) if k > 0]
+    if k_rows:
+        idx = _to_device(k_rows, torch.int64, dev)
+        ks = _to_device([top_k[i] for i in k_rows], torch.int64, dev)
+        kth = ws.rows("sub", z, idx).topk(max(top_k), dim=-1).values
+        k_cut[idx] = kth.gather(1, (ks - 1)[:, None])[:, 0]
     cut = k_cut
-    if bool((min_p > 0).any()):
-        cut = torch.maximum(cut, z_max + torch.log(min_p))  # p_i >= min_p * p_max
+    if any(m > 0 for m in min_p):
+        min_p_t = _to_device(min_p, torch.float32, dev)
+        cut = torch.maximum(cut, z_max + torch.log(min_p_t))  # p_i >= min_p * p_max
     p = torch.sub(z, z_max[:, None], out=ws.get("exp", z.shape, z)).exp_()
-    has_p = top_p < 1.0
-    if bool(has_p.any()):
-        idx = has_p.nonzero()[:, 0]
+    p_rows = [i for i, tp in enumerate(top_p) if tp < 1.0]
+    if p_rows:
+        idx = _to_device(p_rows, torch.int64, dev)
         p_cut = _top_p_cutoff(
-            z, p, idx, z_max[idx], k_cut[idx], top_k[idx], top_p[idx], candidates, ws
+            z,
+            p,
+            idx,
+            z_max[idx],
+            k_cut[idx],
+            [top_k[i] for i in p_rows],
+            [top_p[i] for i in p_rows],
+            candidates,
+            ws,
         )
         cut = cut.index_put((idx,), torch.maximum(cut[idx], p_cut))
-    if bool((cut > float("-inf")).any()):
+    if k_rows or p_rows or any(m > 0 for m in min_p):
         p.masked_fill_(torch.lt(z, cut[:, None], out=ws.get("mask", z.shape, z, torch.bool)), 0.0)
     return p
 
@@ -463,8 +533,8 @@ def _top_p_cutoff(
     idx: torch.Tensor,
     z_max: torch.Tensor,
     k_cut: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
+    top_k_rows: list[int],
+    top_p_rows: list[float],
     candidates: int,
     ws: _Scratch,
 ) -> torch.Tensor:
@@ -475,13 +545,14 @@ def _top_p_cutoff(
     is searched among the first ``candidates`` sorted values (at least top_k + 1); rows
     whose nucleus reaches past them are sorted in full.
     """
-    vocab = z.shape[1]
+    vocab, dev = z.shape[1], z.device
     zi = ws.rows("sub", z, idx)
-    with_k = top_k > 0
+    top_p = _to_device(top_p_rows, torch.float64, dev)
+    with_k = _to_device([k > 0 for k in top_k_rows], torch.bool, dev)
     # Rows without top-k normalise over the whole row; rows with top-k over their
     # candidates, which then hold every survivor (checked below).
     mass = torch.where(with_k, float("nan"), _chunk_sums(p).sum(dim=-1)[idx])
-    k = min(vocab, max(candidates, int(top_k.max()) + 1))
+    k = min(vocab, max(candidates, max(top_k_rows) + 1))
     if candidates <= 0 or k == vocab:
         every = torch.arange(len(idx), device=z.device)
         return _sorted_cutoffs(zi, every, z_max, k_cut, top_p, mass)
@@ -549,7 +620,7 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     first token whose cumulative weight exceeds ``u * total``, in vocabulary order."""
     vocab = p.shape[1]
     csum = _chunk_sums(p).cumsum(dim=-1)
-    target = u * csum[:, -1]
+    target = u * csum[:, -1]  # < total: u <= 1 - 2**-53 and float64 rounds to nearest
     chunk = torch.searchsorted(csum, target[:, None], right=True)[:, 0]
     chunk.clamp_(max=csum.shape[1] - 1)
     base = torch.where(chunk > 0, csum.gather(1, (chunk - 1).clamp(min=0)[:, None])[:, 0], 0.0)
@@ -559,13 +630,13 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     local = p.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(~inside, 0.0).double()
     lcum = base[:, None] + local.cumsum(dim=-1)
     j = torch.searchsorted(lcum, target[:, None], right=True)[:, 0].clamp_(max=width - 1)
+    # Where rounding put the target past the chunk's last positive weight, take that weight.
+    # (Computed for every row rather than after a device read of whether any row needs it.)
     bad = local.gather(1, j[:, None])[:, 0] <= 0
-    if bool(bad.any()):
-        # Rounding put the target past the chunk's last positive weight: take that weight.
-        pos = torch.arange(width, device=p.device).expand_as(local)
-        ok = (local > 0) & (pos <= j[:, None])
-        last = torch.where(ok, pos, -1).amax(dim=-1)
-        j = torch.where(bad & (last >= 0), last, j)
+    pos = torch.arange(width, device=p.device).expand_as(local)
+    ok = (local > 0) & (pos <= j[:, None])
+    last = torch.where(ok, pos, -1).amax(dim=-1)
+    j = torch.where(bad & (last >= 0), last, j)
     return cols.gather(1, j[:, None])[:, 0]
 
 

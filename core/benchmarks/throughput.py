@@ -64,7 +64,7 @@ def _generate_timed(engine, prompts, params) -> tuple[list, dict]:
     """The engine loop of ``LLM.generate`` with each part of ``step()`` timed separately:
     schedule (host), execute (inputs, forward, sampling: ends in a device sync, so it holds
     the device time), update (host: detokenize, stop checks, outputs)."""
-    ids = [engine.add_request(None, p, params) for p in prompts]
+    ids = [engine.add_request(None, p, params, final_only=True) for p in prompts]
     done: dict[str, object] = {}
     split = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
     steps = {"decode_only": 0, "with_prefill": 0}

@@ -46,6 +46,7 @@ python3 -m core.benchmarks.shapes llama3-8b $MODEL >/dev/null
 
 run build 300 python3 -c "from platforms.cuda.build import load_ops; load_ops()"
 run test_ops 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_fused_ops.py \
+  tests/cuda/test_cuda_sampler.py \
   tests/cuda/test_cuda_graphs_compile.py tests/unit/test_decode_graph_padding.py
 run latency 150 python3 -m core.entrypoints.cli bench latency $ENGINE --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/latency.json"
@@ -68,6 +69,16 @@ opt thr_1024_128_s512 200 python3 -m core.entrypoints.cli bench throughput $ENGI
 opt thr_1000_1000_s440 220 python3 -m core.entrypoints.cli bench throughput $ENGINE \
   --num-prompts 500 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
   --max-num-seqs 440 --step-timing --output-json "$RES/thr_1000_1000_s440.json"
+# More sequences per step without --step-timing (run 4), and the step split at the default.
+opt thr_1000_1000_n512 220 python3 -m core.entrypoints.cli bench throughput $ENGINE \
+  --num-prompts 500 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
+  --max-num-seqs 512 --output-json "$RES/thr_1000_1000_n512.json"
+opt thr_1024_128_n512 200 python3 -m core.entrypoints.cli bench throughput $ENGINE \
+  --num-prompts 1000 --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 \
+  --max-num-seqs 512 --output-json "$RES/thr_1024_128_n512.json"
+opt thr_1000_1000_split 220 python3 -m core.entrypoints.cli bench throughput $ENGINE \
+  --num-prompts 500 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
+  --step-timing --output-json "$RES/thr_1000_1000_split.json"
 
 tar czf "$OUT/results.tgz" -C "$OUT" res
 python3 - "$RES" <<'EOF'
@@ -82,7 +93,8 @@ for name in ("latency", "latency_eager", "latency_greedy"):
         launched = float(open(os.path.join(res, name + ".launched")).read())
         print(f"{name}: TPOT {r['tpot_ms_median']} ms (min {r['tpot_ms_min']}), TTFT {r['ttft_ms_median']} ms, "
               f"engine start {r['startup_s']} s, launch->first request served {r['served_at_unix'] - launched:.1f} s")
-for name in ("thr_1024_128", "thr_1000_1000", "thr_1024_128_s512", "thr_1000_1000_s440"):
+for name in ("thr_1024_128", "thr_1000_1000", "thr_1024_128_s512", "thr_1000_1000_s440",
+             "thr_1000_1000_n512", "thr_1024_128_n512", "thr_1000_1000_split"):
     r = load(name)
     if r:
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, "

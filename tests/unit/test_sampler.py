@@ -353,3 +353,39 @@ def test_extreme_penalty_and_top_p_do_not_crash():
             work[t] = work[t] / 5e-324 if work[t] > 0 else work[t] * 5e-324
         work = torch.nan_to_num(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max)
         assert out.token_ids[i] == int(work.argmax())
+
+
+def test_sample_tensors_equals_the_call() -> None:
+    """The read-back-free entry point draws what __call__ draws (same generator state)."""
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.2, top_p=0.8, min_p=0.01),
+        SamplingParams(seed=5),
+    ]
+    rows = [row(p, output_index=2) for p in params]
+    logits = torch.randn(len(rows), 500, generator=torch.Generator().manual_seed(3)) * 2
+    out = Sampler(seed=9)(logits, rows)
+    tokens, logprobs = Sampler(seed=9).sample_tensors(logits, rows)
+    assert tokens.tolist() == out.token_ids
+    torch.testing.assert_close(logprobs.double(), torch.tensor(out.logprobs, dtype=torch.double))
+    want = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, want)
+
+
+@pytest.mark.parametrize("vocab", [4097, 3000, 1024])
+def test_largest_uniform_draws_a_token_with_weight(vocab: int) -> None:
+    """u = 1 - 2**-53 (the largest draw) with all the weight in the first chunk and empty
+    chunks after it: the pick must be the last token that has weight, never a later one
+    (an empty chunk, or padding columns past the vocabulary)."""
+    from core.sampler import _inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    p = torch.zeros(3, vocab)
+    p[:, :700] = torch.rand(3, 700, generator=g) + 0.1
+    u = torch.full((3,), 1.0 - 2.0**-53, dtype=torch.float64)
+    tokens = _inverse_cdf(p, u)
+    assert bool((tokens < vocab).all()), tokens
+    assert bool((p.gather(1, tokens[:, None]) > 0).all()), tokens
+    last = p.gt(0).cumsum(dim=-1).argmax(dim=-1)  # the last token with weight
+    assert tokens.tolist() == last.tolist()
