@@ -166,6 +166,46 @@ class AttentionBackend(ABC):
 
 
 # --------------------------------------------------------------------------------------
+# Block moves in plain torch, for backends whose cache layout needs no kernel of its own:
+# ``copy_blocks`` / ``swap_blocks`` of such a backend is one call to these with the
+# dimension its layout keeps blocks in.
+# --------------------------------------------------------------------------------------
+
+
+def _block_ids(pairs: torch.Tensor, column: int, device: torch.device) -> torch.Tensor:
+    # dtype first, then device: one host-side conversion, one transfer (also what XLA wants)
+    return pairs[:, column].to(dtype=torch.long).to(device)
+
+
+def index_copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor, block_dim: int) -> None:
+    """``AttentionBackend.copy_blocks`` for caches that hold blocks along ``block_dim`` of
+    each layer's tensor: one gather and one scatter per layer, whatever ``len(pairs)``."""
+    if pairs.numel() == 0:
+        return
+    ids: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for cache in kv_caches:
+        if cache.device not in ids:
+            ids[cache.device] = (
+                _block_ids(pairs, 0, cache.device),
+                _block_ids(pairs, 1, cache.device),
+            )
+        src, dst = ids[cache.device]
+        cache.index_copy_(block_dim, dst, cache.index_select(block_dim, src))
+
+
+def index_swap_blocks(
+    src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int
+) -> None:
+    """``AttentionBackend.swap_blocks`` for caches that hold blocks along ``block_dim``:
+    gather on ``src``'s device, one transfer, scatter on ``dst``'s."""
+    if pairs.numel() == 0:
+        return
+    s = _block_ids(pairs, 0, src.device)
+    d = _block_ids(pairs, 1, dst.device)
+    dst.index_copy_(block_dim, d, src.index_select(block_dim, s).to(dst.device))
+
+
+# --------------------------------------------------------------------------------------
 # Reference implementation: written for clarity, used by tests and the conformance suite.
 # It works on *logical* K/V: a per-sequence list of [len, num_kv_heads, head_size].
 # --------------------------------------------------------------------------------------

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.attention import AttentionBackend, AttentionMetadata
+from core.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    index_copy_blocks,
+    index_swap_blocks,
+)
 from platforms.hpu.buckets import BucketPolicy
 
 
@@ -162,19 +167,8 @@ class HpuAttentionBackend(AttentionBackend):
     # ---- block moves ------------------------------------------------------------------
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-        """One gather and one scatter per layer over all pairs (no per-block loop)."""
-        if pairs.numel() == 0:
-            return
-        for cache in kv_caches:
-            src = pairs[:, 0].to(device=cache.device, dtype=torch.long)
-            dst = pairs[:, 1].to(device=cache.device, dtype=torch.long)
-            cache.index_copy_(1, dst, cache.index_select(1, src))
+        index_copy_blocks(kv_caches, pairs, block_dim=1)
 
     @staticmethod
     def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        """Gather the blocks on ``src``'s device, move them in one transfer, scatter."""
-        if pairs.numel() == 0:
-            return
-        s = pairs[:, 0].to(device=src.device, dtype=torch.long)
-        d = pairs[:, 1].to(device=dst.device, dtype=torch.long)
-        dst.index_copy_(1, d, src.index_select(1, s).to(dst.device))
+        index_swap_blocks(src, dst, pairs, block_dim=1)

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    index_copy_blocks,
+    index_swap_blocks,
+)
 from platforms.tpu.buckets import BucketPolicy, DecodePlan, PrefillPlan
 
 PALLAS_HEAD_MULTIPLE = 128
@@ -175,23 +181,13 @@ class TpuAttentionBackend(AttentionBackend):
     # ---- block moves --------------------------------------------------------------------
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-        if pairs.numel() == 0:
-            return
-        device = kv_caches[0].device
         with _xla_views():
-            src = pairs[:, 0].to(dtype=torch.long).to(device)
-            dst = pairs[:, 1].to(dtype=torch.long).to(device)
-            for cache in kv_caches:
-                cache.index_copy_(2, dst, cache.index_select(2, src))
+            index_copy_blocks(kv_caches, pairs, block_dim=2)
 
     @staticmethod
     def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        if pairs.numel() == 0:
-            return
         with _xla_views():
-            s = pairs[:, 0].to(dtype=torch.long).to(src.device)
-            d = pairs[:, 1].to(dtype=torch.long).to(dst.device)
-            dst.index_copy_(2, d, src.index_select(2, s).to(dst.device))
+            index_swap_blocks(src, dst, pairs, block_dim=2)
 
 
 class PallasTpuAttentionBackend(TpuAttentionBackend):

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    index_copy_blocks,
+    index_swap_blocks,
+)
 
 
 def paged_attention_ops() -> Any:
@@ -130,18 +136,8 @@ class XpuAttentionBackend(AttentionBackend):
     # ---- block moves ------------------------------------------------------------------
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-        if pairs.numel() == 0:
-            return
-        device = kv_caches[0].device
-        src = pairs[:, 0].to(device=device, dtype=torch.long)
-        dst = pairs[:, 1].to(device=device, dtype=torch.long)
-        for cache in kv_caches:
-            cache.index_copy_(1, dst, cache.index_select(1, src))
+        index_copy_blocks(kv_caches, pairs, block_dim=1)
 
     @staticmethod
     def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        if pairs.numel() == 0:
-            return
-        s = pairs[:, 0].to(device=src.device, dtype=torch.long)
-        d = pairs[:, 1].to(device=dst.device, dtype=torch.long)
-        dst.index_copy_(1, d, src.index_select(1, s).to(dst.device))
+        index_swap_blocks(src, dst, pairs, block_dim=1)

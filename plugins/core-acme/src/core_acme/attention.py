@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    index_copy_blocks,
+    index_swap_blocks,
+)
 
 BLOCK_SIZES = (32, 64)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -95,19 +101,11 @@ class AcmeAttentionBackend(AttentionBackend):
 
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-        if pairs.numel() == 0:
-            return
-        src, dst = pairs[:, 0].long(), pairs[:, 1].long()
-        for cache in kv_caches:  # one gather + one scatter per layer, whatever len(pairs)
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        index_copy_blocks(kv_caches, pairs, block_dim=0)
 
     @staticmethod
     def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        if pairs.numel() == 0:
-            return
-        s = pairs[:, 0].to(device=src.device, dtype=torch.long)
-        d = pairs[:, 1].to(device=dst.device, dtype=torch.long)
-        dst.index_copy_(0, d, src.index_select(0, s).to(dst.device))
+        index_swap_blocks(src, dst, pairs, block_dim=0)
 
     # ---- attention ------------------------------------------------------------------
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
