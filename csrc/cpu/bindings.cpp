@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <optional>
+
 namespace core_cpu {
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& out, at::Tensor& new_residual, const at::Tensor& x,
@@ -13,7 +15,8 @@ void rotary_embedding(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& po
                       int64_t rotary_dim);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slots);
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window);
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  const std::optional<at::Tensor>& table_rows);
 void linear_f32out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 }  // namespace core_cpu
 
@@ -26,7 +29,7 @@ TORCH_LIBRARY(core_cpu, m) {
         "Tensor cos_sin_cache, int rotary_dim) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window) -> ()");
+        "float scale, int window, Tensor? table_rows=None) -> ()");
   m.def("linear_f32out(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
 }
 

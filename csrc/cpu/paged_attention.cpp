@@ -6,11 +6,16 @@
 // Decode reads each sequence's blocks straight from the cache (no gather into a padded
 // copy) and, for grouped-query attention, reads every key/value row once for all the query
 // heads of its group. Scores, softmax and the weighted sum are fp32 whatever the cache dtype.
+//
+// Prompts use the same kernel: once a step's keys and values are in the cache, prompt token t
+// of a sequence with c cached positions is a decode of length c + t + 1 over that sequence's
+// block table, so each query row names its table row (`table_rows`) and its own length.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -90,6 +95,7 @@ struct DecodeArgs {
   const T* values;               // cache[1]
   int64_t num_blocks, block_size, kv_heads, head_size, group;
   const int32_t* tables;
+  const int32_t* table_rows;  // query row -> block-table row; null: row b uses table row b
   int64_t table_stride, table_width;
   const int32_t* seq_lens;
   float scale;
@@ -100,7 +106,7 @@ struct DecodeArgs {
 template <typename T, typename F>
 inline void for_each_row(const DecodeArgs<T>& a, const T* base, int64_t b, int64_t h, int64_t start, int64_t len,
                          F&& f) {
-  const int32_t* table = a.tables + b * a.table_stride;
+  const int32_t* table = a.tables + (a.table_rows ? a.table_rows[b] : b) * a.table_stride;
   const int64_t bs = a.block_size, row_stride = a.kv_heads * a.head_size;
   for (int64_t p = start; p < len;) {
     const int64_t bi = p / bs, stop = std::min(len, (bi + 1) * bs);
@@ -233,10 +239,12 @@ std::pair<DecodeFn<T>, int64_t> pick_decode(int64_t head_size, int64_t group) {
   return {&decode_heads_generic<T>, 1 << 20};
 }
 
-// out[b] = softmax(scale * q[b] K^T) V over sequence b's cached positions (its last
-// `window` ones when window > 0). query/out: [seqs, heads, head_size].
+// out[b] = softmax(scale * q[b] K^T) V over the first seq_lens[b] positions of block-table
+// row table_rows[b] (row b without table_rows), the last `window` of them when window > 0.
+// query/out: [rows, heads, head_size].
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  const std::optional<at::Tensor>& table_rows) {
   check_cache(kv_cache, "paged_decode");
   const int64_t seqs = query.size(0), heads = query.size(1);
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3), d = kv_cache.size(4);
@@ -245,19 +253,35 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   TORCH_CHECK(heads % kvh == 0, "paged_decode: ", heads, " query heads are not a multiple of ", kvh, " kv heads");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
               "paged_decode: query/out dtype must be the cache's");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seqs && block_tables.stride(1) == 1
-              && block_tables.scalar_type() == at::kInt, "paged_decode: block_tables must be int32 [seqs, blocks]");
+  const int64_t table_count = block_tables.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.scalar_type() == at::kInt
+              && (table_rows.has_value() || table_count == seqs),
+              "paged_decode: block_tables must be int32 [seqs, blocks] (or any rows with table_rows)");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() == seqs && seq_lens.scalar_type() == at::kInt,
-              "paged_decode: seq_lens must be contiguous int32 [seqs]");
+              "paged_decode: seq_lens must be contiguous int32 [rows]");
+  const int32_t* rows = nullptr;
+  if (table_rows.has_value()) {
+    TORCH_CHECK(table_rows->is_contiguous() && table_rows->numel() == seqs && table_rows->scalar_type() == at::kInt,
+                "paged_decode: table_rows must be contiguous int32 [rows]");
+    rows = table_rows->data_ptr<int32_t>();
+  }
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
-  for (int64_t b = 0; b < seqs; ++b) {  // validate once so the kernel can index freely
-    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= width, "paged_decode: sequence ", b, " has length ",
+  // Validate once so the kernel can index freely; each table row up to its longest use.
+  std::vector<int64_t> used(static_cast<size_t>(table_count), 0);
+  for (int64_t b = 0; b < seqs; ++b) {
+    const int64_t r = rows ? rows[b] : b;
+    TORCH_CHECK(r >= 0 && r < table_count, "paged_decode: table row ", r, " of query row ", b,
+                " is outside [0, ", table_count, ")");
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= width, "paged_decode: query row ", b, " has length ",
                 lens[b], " but its block table holds ", width, " blocks of ", bs);
-    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
-      const int32_t blk = tables[b * block_tables.stride(0) + i];
-      TORCH_CHECK(blk >= 0 && blk < nb, "paged_decode: block ", blk, " of sequence ", b, " is outside [0, ", nb, ")");
+    used[r] = std::max<int64_t>(used[r], (lens[b] + bs - 1) / bs);
+  }
+  for (int64_t r = 0; r < table_count; ++r) {
+    for (int64_t i = 0; i < used[r]; ++i) {
+      const int32_t blk = tables[r * block_tables.stride(0) + i];
+      TORCH_CHECK(blk >= 0 && blk < nb, "paged_decode: block ", blk, " of table row ", r, " is outside [0, ", nb, ")");
     }
   }
   dispatch_cache_types(query.scalar_type(), "paged_decode", [&](auto tag) {
@@ -265,7 +289,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     const T* keys = reinterpret_cast<const T*>(kv_cache.data_ptr());
     DecodeArgs<T> a{reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(query.data_ptr()),
                     out.stride(0), query.stride(0), keys, keys + nb * bs * kvh * d, nb, bs, kvh, d, heads / kvh,
-                    tables, block_tables.stride(0), width, lens, static_cast<float>(scale), window};
+                    tables, rows, block_tables.stride(0), width, lens, static_cast<float>(scale), window};
     const auto [decode, max_heads] = pick_decode<T>(d, heads / kvh);
     // Whole sequences per task when there are enough of them to keep every thread busy;
     // otherwise one kv head per task, so a lone long sequence still uses all threads.

@@ -130,11 +130,45 @@ def test_paged_decode_matches_naive_reference(heads, kv_heads, d, dtype, window)
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 128), (6, 2, 40)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 21])
+def test_prompts_through_the_kernel_match_naive_reference(heads, kv_heads, d, dtype, window) -> None:
+    """CpuPagedAttentionBackend._prefill: prompts with and without cached context, each
+    token attending causally to its prefix (table_rows maps token rows to table rows)."""
+    bs = 16
+    lens, cached = [40, 150, 7, 64], [0, 100, 0, 33]  # total lengths, positions already cached
+    cache, tables, _, keys, values = _decode_case(17, heads, kv_heads, d, bs, lens, dtype)
+    new = [n - c for n, c in zip(lens, cached)]
+    query = torch.randn(sum(new), heads, d, generator=torch.Generator().manual_seed(18)).to(dtype)
+    spec = AttentionSpec(heads, kv_heads, d, dtype, bs, sliding_window=window)
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    md = AttentionMetadata(
+        num_prefills=len(lens), num_prefill_tokens=sum(new), num_decode_tokens=0,
+        slot_mapping=torch.full((sum(new),), -1), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        context_lens=torch.tensor(cached, dtype=torch.int32), query_start_loc=qsl,
+        block_tables=tables, max_query_len=max(new), max_seq_len=max(lens),
+    )
+    out = torch.full_like(query, float("nan"))
+    CpuPagedAttentionBackend(spec)._prefill(query, None, None, cache, md, out)
+    want = reference_attention(query, keys, values, new, spec.softmax_scale, window)
+    atol = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
+
+
+def test_paged_decode_rejects_a_table_row_outside_the_tables() -> None:
+    cache, tables, query, _, _ = _decode_case(12, 4, 2, 64, 16, [20, 9], torch.float32)
+    out = torch.empty_like(query)
+    lens, rows = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="table row 2 of query row 1 is outside"):
+        load_kernels().paged_decode(out, query, cache, tables, lens, 0.1, 0, rows)
+
+
 def test_paged_decode_rejects_a_block_outside_the_cache() -> None:
     cache, tables, query, _, _ = _decode_case(12, 4, 2, 64, 16, [20], torch.float32)
     tables[0, 1] = cache.shape[1]
     out = torch.empty_like(query)
-    with pytest.raises(RuntimeError, match=f"block {cache.shape[1]} of sequence 0 is outside"):
+    with pytest.raises(RuntimeError, match=f"block {cache.shape[1]} of table row 0 is outside"):
         load_kernels().paged_decode(out, query, cache, tables, torch.tensor([20], dtype=torch.int32), 0.1, 0)
 
 
