@@ -51,12 +51,16 @@ test-platform-envs:
 	bash tests/envs/xpu.sh $(CURDIR)/.venv-xpu
 	bash tests/envs/tpu.sh $(CURDIR)/.venv-tpu
 
-# docker/install.sh is the recipe every image uses: run it for cpu in a fresh venv, then
-# generate with a tiny random model through the installed `core` command.
+# docker/install.sh is the recipe every image uses: run it for cpu in a fresh venv, check that
+# the installed package builds its CPU kernels from the sources it ships, then generate with a
+# tiny random model through the installed `core` command.
 test-install: setup
 	rm -rf .venv-install /tmp/core-install-model
 	bash docker/install.sh cpu --venv $(CURDIR)/.venv-install --no-model
 	$(BIN)/python -c "from pathlib import Path; from tests.helpers import tiny_llama_dir; print(tiny_llama_dir(Path('/tmp/core-install-model')))"
+	cd /tmp && $(CURDIR)/.venv-install/bin/python -c "import platforms.cpu.kernels as k; \
+	  assert 'site-packages' in str(k.CSRC_DIR), k.CSRC_DIR; k.load_kernels(); \
+	  print('CPU kernels built from the installed sources in', k.CSRC_DIR)"
 	.venv-install/bin/core generate --model /tmp/core-install-model/tiny-llama --max-tokens 8 --no-chat-template "Hello"
 
 test: lint compile-check test-py test-platform-envs test-install

@@ -1,6 +1,7 @@
 """Build hook: compile csrc/ into ``platforms.cuda._C`` when CUDA can be built here.
 
-All package metadata lives in pyproject.toml; this file only adds the optional extension.
+All package metadata lives in pyproject.toml; this file only adds the optional extension, and
+copies the CPU kernels' sources (csrc/cpu) into the wheel for the CPU platform's JIT build.
 It is built when torch is importable at build time, torch is a CUDA build and a CUDA
 toolkit (nvcc) is found; otherwise the pure-Python package is built and the CUDA platform
 JIT-builds the kernels from a source checkout, or reports why it cannot.
@@ -105,5 +106,25 @@ def rocm_extension() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension}
 
 
+# ---- the CPU kernels' sources, shipped in the wheel -----------------------------------------
+# The CPU platform JIT-builds csrc/cpu for the CPU it runs on (-march=native), so a wheel must
+# carry the sources, not a binary: build_py copies them to platforms/cpu/csrc/ in the build.
+
+
+def cpu_sources_build_py():
+    from setuptools.command.build_py import build_py
+
+    class BuildPyWithCpuSources(build_py):
+        def run(self) -> None:
+            super().run()
+            dest = Path(self.build_lib) / "platforms" / "cpu" / "csrc"
+            dest.mkdir(parents=True, exist_ok=True)
+            for src in sorted((CSRC / "cpu").glob("*")):
+                if src.suffix in (".cpp", ".h"):
+                    self.copy_file(str(src), str(dest / src.name))
+
+    return BuildPyWithCpuSources
+
+
 ext_modules, cmdclass = rocm_extension() if _torch_is_rocm() else cuda_extension()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass={**cmdclass, "build_py": cpu_sources_build_py()})

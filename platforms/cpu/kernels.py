@@ -7,7 +7,8 @@ digest of the CPU's model and feature flags, so a cache shared between different
 never hands one of them code for instructions it lacks. The ops appear as
 ``torch.ops.core_cpu.*``. Nothing here runs at import time.
 
-When the kernels cannot be built (no C++ compiler, sources absent from an installed wheel),
+An installed wheel carries the sources in ``platforms/cpu/csrc/`` (setup.py copies them).
+When the kernels cannot be built (no C++ compiler, no sources),
 :func:`kernels_or_none` logs why once and the CPU platform runs its plain-torch paths.
 """
 
@@ -25,7 +26,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+_CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+_PACKAGED_CSRC = Path(__file__).resolve().parent / "csrc"
+"""Where an installed wheel carries the sources (setup.py's build_py copies csrc/cpu there)."""
+CSRC_DIR = _CHECKOUT_CSRC if _CHECKOUT_CSRC.is_dir() else _PACKAGED_CSRC
+"""The sources: the repository's csrc/cpu in a checkout (editable installs too), else the
+copy inside the installed package."""
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
 """-fopenmp makes at::parallel_for use torch's OpenMP pool (the library links the same
 libgomp soname torch ships, so there is one thread pool, not two)."""
