@@ -290,6 +290,12 @@ class Scheduler:
         def need() -> int:
             return self.bm.num_blocks_to_append(seq.seq_id, start, start + k)
 
+        if need() == 0 and self.bm.num_free_blocks >= step.reserved:
+            # The common decode step: the token fits the sequence's own last block, so there
+            # is nothing to allocate, copy or preempt for.
+            step.budget -= k
+            self._emit(seq, k, step)
+            return
         if not self._make_room(seq, need, step, strict_priority=False):
             if len(self._running) == 1:
                 self._abort_in_step(

@@ -1,0 +1,66 @@
+"""Host time of ``Scheduler.schedule()`` alone, with many sequences decoding.
+
+    python -m core.benchmarks.scheduler [--seqs 256] [--prompt-len 1000] [--output-len 400]
+
+No model runs: after each step every sampled sequence gets a random token appended (what the
+engine's output update does), and finishes at ``--output-len`` tokens. Prefix caching is on
+(the engine default). Prints the median and p90 time of one ``schedule()`` call over the
+steps after the first 20 (the prefills).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from core.block_manager import BlockManager
+from core.config import SchedulerConfig
+from core.request import Request, SequenceStatus
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--block-size", type=int, default=16)
+    args = ap.parse_args(argv)
+
+    max_len = args.prompt_len + args.output_len
+    config = SchedulerConfig(
+        max_num_seqs=args.seqs, max_model_len=max_len, max_num_batched_tokens=max(8192, max_len)
+    )
+    blocks = args.seqs * -(-max_len // args.block_size) + 16
+    scheduler = Scheduler(config, BlockManager(blocks, args.block_size, True, 0))
+    rng = random.Random(0)
+    params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+    for i in range(args.seqs):
+        prompt = tuple(rng.randrange(32000) for _ in range(args.prompt_len))
+        scheduler.add_request(Request(f"r{i}", prompt, params))
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        times.append(time.perf_counter() - t0)
+        for entry in out.scheduled:
+            if not entry.sample:
+                continue
+            request = scheduler.get_request(entry.request_id)
+            seq = next(q for q in request.seqs if q.seq_id == entry.seq_id)
+            seq.output_token_ids.append(rng.randrange(32000))
+            if len(seq.output_token_ids) >= args.output_len:
+                scheduler.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
+    steady = sorted(times[20:])
+    print(
+        f"{args.seqs} sequences, prompts of {args.prompt_len}: schedule() median "
+        f"{steady[len(steady) // 2] * 1e3:.2f} ms, p90 {steady[int(len(steady) * 0.9)] * 1e3:.2f} ms "
+        f"over {len(steady)} steps"
+    )
+
+
+if __name__ == "__main__":
+    main()
