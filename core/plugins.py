@@ -129,17 +129,34 @@ class Plugins:
         return found
 
     def model_architectures(self) -> dict[str, Any]:
-        """Architecture name -> model class from plugins."""
+        """Architecture name -> model class from plugins. A name provided twice (by two
+        plugins, or by a plugin and the built-ins) maps to an
+        :class:`~core.models.ArchitectureConflict`: loading that model fails with the
+        reason, loading any other works (a warning is logged here)."""
+        from core.models import ArchitectureConflict, builtin_architectures
+
         found: dict[str, Any] = {}
         owner: dict[str, str] = {}
+        builtin = builtin_architectures()
         for plugin, archs in self._collect("core_model_architectures"):
             for arch, cls in archs.items():
-                if arch in found:
-                    raise PluginError(
+                reason = None
+                if arch in builtin:
+                    reason = (
+                        f"plugin {plugin!r} registers model architecture {arch!r}, which is "
+                        "built in; a plugin may only add new architecture names"
+                    )
+                elif arch in found:
+                    reason = (
                         f"model architecture {arch!r} is registered by plugins "
                         f"{owner[arch]!r} and {plugin!r}; only one may provide it"
                     )
-                found[arch], owner[arch] = cls, plugin
+                if reason is not None:
+                    logger.warning("%s (models of that architecture will not load)", reason)
+                    found[arch] = ArchitectureConflict(reason)
+                else:
+                    found[arch] = cls
+                owner.setdefault(arch, plugin)
         return found
 
     def attention_backends(self, platform_name: str) -> dict[str, type]:

@@ -57,25 +57,43 @@ class ModelContext:
     ``weight_format`` (see Platform.linear_method)."""
 
 
+def builtin_architectures() -> frozenset[str]:
+    return frozenset(_BUILTIN)
+
+
+@dataclass(frozen=True)
+class ArchitectureConflict:
+    """Stands in for an architecture name provided twice (by two plugins, or by a plugin
+    and the built-ins). Only resolving that name fails, with ``reason``: one plugin's
+    mistake does not stop engines that load other models."""
+
+    reason: str
+
+
 class ModelRegistry:
     """Architecture name -> model class: built-ins plus what plugins registered."""
 
     def __init__(self, extra: dict[str, Any] | None = None):
-        extra = extra or {}
-        clash = set(extra) & set(_BUILTIN)
-        if clash:
-            raise ValueError(
-                f"plugin architectures {sorted(clash)} clash with built-in ones; a plugin may "
-                f"only add new architecture names"
-            )
-        self._extra = dict(extra)
+        self._extra = dict(extra or {})
+        for name in set(self._extra) & set(_BUILTIN):
+            if not isinstance(self._extra[name], ArchitectureConflict):
+                self._extra[name] = ArchitectureConflict(
+                    f"a plugin registers model architecture {name!r}, which is built in; a "
+                    "plugin may only add new architecture names"
+                )
 
     def names(self) -> list[str]:
         return sorted({*_BUILTIN, *self._extra})
 
     def resolve(self, architecture: str) -> Any:
-        if architecture in self._extra:
-            return self._extra[architecture]
+        found = self._extra.get(architecture)
+        if isinstance(found, ArchitectureConflict):
+            raise ValueError(
+                f"{found.reason}. Load only one of them (CORE_PLUGINS=name,... lists the "
+                "plugins to load) or rename the plugin's architecture"
+            )
+        if found is not None:
+            return found
         if architecture not in _BUILTIN:
             raise ValueError(
                 f"model architecture {architecture!r} is not supported; supported: "

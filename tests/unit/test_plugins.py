@@ -143,3 +143,50 @@ def test_op_override_conflict_is_an_error():
     )
     with pytest.raises(PluginError, match="overridden by both"):
         p.op_overrides("cpu")
+
+
+def _arch_plugin(**archs) -> types.SimpleNamespace:
+    ns = _plugin(">=1.0,<2")
+
+    @core.hookimpl
+    def core_model_architectures():
+        return dict(archs)
+
+    ns.core_model_architectures = core_model_architectures
+    return ns
+
+
+class _ModelA:
+    pass
+
+
+class _ModelB:
+    pass
+
+
+def test_an_architecture_clash_fails_only_the_models_it_names(caplog):
+    """Two plugins providing one name, and a plugin re-registering a built-in: loading those
+    architectures fails with both owners named; every other architecture still resolves."""
+    from core.models import ModelRegistry
+
+    p = Plugins()
+    p.register(_arch_plugin(ToyForCausalLM=_ModelA, OnlyAForCausalLM=_ModelA), "plugin-a")
+    p.register(_arch_plugin(ToyForCausalLM=_ModelB, LlamaForCausalLM=_ModelB), "plugin-b")
+    with caplog.at_level("WARNING", logger="core.plugins"):
+        registry = ModelRegistry(p.model_architectures())
+    assert "registered by plugins 'plugin-a' and 'plugin-b'" in caplog.text
+    assert registry.resolve("OnlyAForCausalLM") is _ModelA
+    with pytest.raises(ValueError, match="registered by plugins 'plugin-a' and 'plugin-b'.*CORE_PLUGINS"):
+        registry.resolve("ToyForCausalLM")
+    with pytest.raises(ValueError, match="plugin 'plugin-b' registers model architecture 'LlamaForCausalLM', which is built in"):
+        registry.resolve("LlamaForCausalLM")
+    assert registry.resolve("Qwen2ForCausalLM").__name__ == "Qwen2ForCausalLM"
+
+
+def test_a_registry_built_directly_still_refuses_a_builtin_name():
+    from core.models import ModelRegistry
+
+    registry = ModelRegistry({"GPT2LMHeadModel": _ModelA})
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel', which is built in"):
+        registry.resolve("GPT2LMHeadModel")
+    assert registry.resolve("LlamaForCausalLM").__name__ == "LlamaForCausalLM"
