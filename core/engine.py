@@ -186,7 +186,7 @@ class LLMEngine:
         setup = RunnerSetup(
             config=self.config,
             platform=self.platform,
-            ops=Ops({**self.platform.ops(), **plugins.op_overrides(self.platform.name)}),
+            ops=Ops({**self.platform.ops(), **plugins.op_overrides(self.platform.name, self.config)}),
             registry=ModelRegistry(plugins.model_architectures()),
             attention_backend_cls=extra.get(requested) if requested else None,
         )

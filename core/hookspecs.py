@@ -21,6 +21,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from core.attention import AttentionBackend
+    from core.config import EngineConfig
     from core.platform import Platform
 
 hookspec = pluggy.HookspecMarker("core")
@@ -58,13 +59,16 @@ def core_attention_backends() -> list[tuple[str, str, type[AttentionBackend]]]:
 
 # ---- engine construction --------------------------------------------------------------
 @hookspec
-def core_op_overrides(platform_name: str) -> dict[str, Any]:
+def core_op_overrides(platform_name: str, config: EngineConfig) -> dict[str, Any]:
     """Replace individual ops on one platform.
 
     Called once per engine with the chosen platform's name. Return ``{}`` for platforms
-    the plugin does not target.
+    the plugin does not target. An implementation may take only ``platform_name``.
 
     :param platform_name: the selected platform (e.g. ``"cpu"``).
+    :param config: the engine's resolved configuration (model, dtype, weight format,
+        scheduler, parallelism: every CLI flag), so an override can apply itself only where
+        it fits (plugin API 1.1).
     :return: mapping from an op name in :data:`core.ops.DEFAULT_OPS` to a callable with
         the same signature. Overrides win over the platform's own ops; two plugins
         overriding the same op is an error.

@@ -109,7 +109,8 @@ class Plugins:
         hook = getattr(self.pm.hook, hook_name)
         out = []
         for impl in hook.get_hookimpls():
-            result = impl.function(**kwargs)
+            # An implementation may take a subset of the hook's arguments (pluggy's rule).
+            result = impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
             if result is not None:
                 out.append((impl.plugin_name, result))
         return out
@@ -174,11 +175,13 @@ class Plugins:
                 found[bname] = cls
         return found
 
-    def op_overrides(self, platform_name: str) -> dict[str, Any]:
-        """Op name -> callable overriding that op on ``platform_name``."""
+    def op_overrides(self, platform_name: str, config: Any = None) -> dict[str, Any]:
+        """Op name -> callable overriding that op on ``platform_name`` for an engine of
+        ``config`` (an EngineConfig)."""
         found: dict[str, Any] = {}
         owner: dict[str, str] = {}
-        for plugin, ops in self._collect("core_op_overrides", platform_name=platform_name):
+        collected = self._collect("core_op_overrides", platform_name=platform_name, config=config)
+        for plugin, ops in collected:
             for op, fn in ops.items():
                 if op in found:
                     raise PluginError(

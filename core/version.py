@@ -7,4 +7,5 @@ __version__ = "0.1.0"
 # Compatibility promise: minor bumps only add hooks, optional Platform methods with
 # defaults, or optional AttentionMetadata fields; a major bump may change or remove
 # any of them.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
+"""1.1: ``core_op_overrides`` also receives the engine's ``config``."""

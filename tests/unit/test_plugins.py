@@ -190,3 +190,34 @@ def test_a_registry_built_directly_still_refuses_a_builtin_name():
     with pytest.raises(ValueError, match="'GPT2LMHeadModel', which is built in"):
         registry.resolve("GPT2LMHeadModel")
     assert registry.resolve("LlamaForCausalLM").__name__ == "LlamaForCausalLM"
+
+
+def test_op_overrides_see_the_engine_config_and_old_hookimpls_still_work():
+    """core_op_overrides(platform_name, config) (API 1.1); an implementation taking only
+    platform_name (API 1.0) is still called."""
+    seen = {}
+
+    def fast_norm(x, weight, eps):
+        return x
+
+    new_style = _plugin(">=1.1,<2")
+
+    @core.hookimpl
+    def core_op_overrides(platform_name, config):
+        seen["config"] = config
+        return {"rms_norm": fast_norm} if config.startswith("bf16") else {}
+
+    new_style.core_op_overrides = core_op_overrides
+    old_style = _plugin(">=1.0,<2")
+
+    @core.hookimpl
+    def core_op_overrides(platform_name):  # noqa: F811 (a second plugin's hook)
+        return {"silu_and_mul": fast_norm} if platform_name == "cpu" else {}
+
+    old_style.core_op_overrides = core_op_overrides
+    p = Plugins()
+    p.register(new_style, "new")
+    p.register(old_style, "old")
+    assert p.op_overrides("cpu", "bf16-config") == {"rms_norm": fast_norm, "silu_and_mul": fast_norm}
+    assert seen["config"] == "bf16-config"
+    assert p.op_overrides("cpu", "fp32-config") == {"silu_and_mul": fast_norm}
