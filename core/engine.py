@@ -175,6 +175,7 @@ class LLMEngine:
         platform = info.cls()
         if env.num_threads and platform.device_type == "cpu":
             torch.set_num_threads(env.num_threads)
+        plugins.register_model_configs()  # before the checkpoint's config.json is read
         config = resolve_config(args, platform, env.cache_dir)
         logger.info("platform %s (%s); model %s (%s, %s)", platform.name, info.probe.reason,
                     config.model.model, config.model.architecture, config.model.dtype)

@@ -9,7 +9,7 @@ arguments; a hookimpl whose name is not listed here is refused at load.
 Hooks are grouped by when they are called:
 
 * discovery (once, when the plugin manager loads): ``core_platforms``,
-  ``core_model_architectures``, ``core_attention_backends``;
+  ``core_model_architectures``, ``core_model_configs``, ``core_attention_backends``;
 * engine construction (once per engine, after a platform is chosen): ``core_op_overrides``.
 """
 
@@ -45,6 +45,19 @@ def core_model_architectures() -> dict[str, Any]:
         model class following the contract in :mod:`core.models` (constructor
         ``(hf_config, ctx)``, ``forward``, ``load_weights``). A name already registered by
         another plugin or by core is refused.
+    """
+
+
+@hookspec
+def core_model_configs() -> dict[str, type]:
+    """Config classes for checkpoints whose ``config.json`` names a ``model_type`` that
+    ``transformers`` does not know (plugin API 1.1).
+
+    :return: mapping from a ``model_type`` to a ``transformers.PretrainedConfig`` subclass
+        whose ``model_type`` attribute is that name. core registers each with
+        ``transformers.AutoConfig`` before it reads a checkpoint's config. A ``model_type``
+        transformers already knows, or that two plugins provide, is not registered (a
+        warning names it); the other plugins' entries still are.
     """
 
 

@@ -160,6 +160,43 @@ class Plugins:
                 owner.setdefault(arch, plugin)
         return found
 
+    def register_model_configs(self) -> list[str]:
+        """Register the plugins' ``core_model_configs`` with ``transformers.AutoConfig``
+        (process-wide; registering the same class again is a no-op). Returns the
+        ``model_type`` names registered; refused ones are logged with the reason."""
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        offered: dict[str, list[tuple[str, type]]] = {}
+        for plugin, configs in self._collect("core_model_configs"):
+            for model_type, cls in configs.items():
+                offered.setdefault(model_type, []).append((plugin, cls))
+        done = []
+        for model_type, owners in offered.items():
+            names = [p for p, _ in owners]
+            cls = owners[0][1]
+            known = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+            if len(owners) > 1:
+                logger.warning(
+                    "model_type %r is provided by plugins %s; only one may provide it, so "
+                    "none is registered", model_type, names,
+                )
+            elif getattr(cls, "model_type", None) != model_type:
+                logger.warning(
+                    "plugin %r maps model_type %r to %s, whose model_type is %r; not registered",
+                    names[0], model_type, cls.__name__, getattr(cls, "model_type", None),
+                )
+            elif known is not None and known is not cls:
+                logger.warning(
+                    "plugin %r provides model_type %r, which transformers already knows "
+                    "(%s); not registered", names[0], model_type, known.__name__,
+                )
+            else:
+                if known is None:
+                    AutoConfig.register(model_type, cls)
+                done.append(model_type)
+        return done
+
     def attention_backends(self, platform_name: str) -> dict[str, type]:
         """Backend name -> class, for the extra backends plugins add to ``platform_name``."""
         found: dict[str, type] = {}

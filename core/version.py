@@ -8,4 +8,5 @@ __version__ = "0.1.0"
 # defaults, or optional AttentionMetadata fields; a major bump may change or remove
 # any of them.
 PLUGIN_API_VERSION = "1.1"
-"""1.1: ``core_op_overrides`` also receives the engine's ``config``."""
+"""1.1: ``core_op_overrides`` also receives the engine's ``config``; new hook
+``core_model_configs``."""

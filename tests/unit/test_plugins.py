@@ -221,3 +221,52 @@ def test_op_overrides_see_the_engine_config_and_old_hookimpls_still_work():
     assert p.op_overrides("cpu", "bf16-config") == {"rms_norm": fast_norm, "silu_and_mul": fast_norm}
     assert seen["config"] == "bf16-config"
     assert p.op_overrides("cpu", "fp32-config") == {"silu_and_mul": fast_norm}
+
+
+def test_a_plugin_model_with_its_own_config_class_loads_and_matches_llama(tmp_path):
+    """core_model_configs (API 1.1): a checkpoint whose model_type transformers does not
+    know loads through the plugin's config class; here a renamed Llama, which must give the
+    built-in Llama's greedy tokens."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from core.engine import LLMEngine
+    from core.engine_args import EngineArgs
+    from core.models.llama import LlamaForCausalLM
+    from core.sampling_params import SamplingParams
+    from tests.helpers import tiny_llama_dir
+
+    class ToyConfig(LlamaConfig):
+        model_type = "core_test_toy_llama"
+
+    class ToyForCausalLM(LlamaForCausalLM):
+        pass
+
+    plain = tiny_llama_dir(tmp_path, name="plain")
+    toy = tiny_llama_dir(tmp_path, name="toy")
+    cfg = json.loads((toy / "config.json").read_text())
+    cfg.update(model_type="core_test_toy_llama", architectures=["ToyForCausalLM"])
+    (toy / "config.json").write_text(json.dumps(cfg))
+
+    plugin = _plugin(">=1.1,<2")
+    plugin.core_model_configs = core.hookimpl(lambda: {"core_test_toy_llama": ToyConfig})
+    plugin.core_model_architectures = core.hookimpl(lambda: {"ToyForCausalLM": ToyForCausalLM})
+
+    def greedy(model_dir, plugins):
+        engine = LLMEngine.from_args(EngineArgs(model=str(model_dir), platform="cpu", dtype="float32",
+                                                max_model_len=128, kv_cache_memory=4 << 20), plugins)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        rid = engine.add_request(None, [5, 9, 13, 2, 7], params)
+        while engine.has_unfinished_requests():
+            done = {o.request_id: o for o in engine.step() if o.finished}
+            if rid in done:
+                out = done[rid]
+        engine.shutdown()
+        return list(out.outputs[0].token_ids), type(engine.config.model.hf_config)
+
+    with_plugin = load_plugins(only=("cpu",))
+    with_plugin.register(plugin, "toy")
+    tokens, config_cls = greedy(toy, with_plugin)
+    assert config_cls is ToyConfig
+    assert tokens == greedy(plain, load_plugins(only=("cpu",)))[0]
