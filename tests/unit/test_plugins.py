@@ -270,3 +270,30 @@ def test_a_plugin_model_with_its_own_config_class_loads_and_matches_llama(tmp_pa
     tokens, config_cls = greedy(toy, with_plugin)
     assert config_cls is ToyConfig
     assert tokens == greedy(plain, load_plugins(only=("cpu",)))[0]
+
+
+def test_model_configs_refused_when_provided_twice_or_already_known(caplog):
+    from transformers import LlamaConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    class DupConfig(LlamaConfig):
+        model_type = "core_test_dup"
+
+    class MyLlamaConfig(LlamaConfig):
+        model_type = "llama"
+
+    class FineConfig(LlamaConfig):
+        model_type = "core_test_fine"
+
+    a, b = _plugin(">=1.1,<2"), _plugin(">=1.1,<2")
+    a.core_model_configs = core.hookimpl(lambda: {"core_test_dup": DupConfig, "llama": MyLlamaConfig})
+    b.core_model_configs = core.hookimpl(lambda: {"core_test_dup": DupConfig, "core_test_fine": FineConfig})
+    p = Plugins()
+    p.register(a, "a")
+    p.register(b, "b")
+    with caplog.at_level("WARNING", logger="core.plugins"):
+        assert p.register_model_configs() == ["core_test_fine"]
+    assert "model_type 'core_test_dup' is provided by plugins ['a', 'b']" in caplog.text
+    assert "plugin 'a' provides model_type 'llama', which transformers already knows" in caplog.text
+    assert "core_test_dup" not in CONFIG_MAPPING and CONFIG_MAPPING["llama"] is LlamaConfig
+    assert CONFIG_MAPPING["core_test_fine"] is FineConfig
