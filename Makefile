@@ -59,7 +59,7 @@ test-install: setup
 	bash docker/install.sh cpu --venv $(CURDIR)/.venv-install --no-model
 	$(BIN)/python -c "from pathlib import Path; from tests.helpers import tiny_llama_dir; print(tiny_llama_dir(Path('/tmp/core-install-model')))"
 	cd /tmp && $(CURDIR)/.venv-install/bin/python -c "import platforms.cpu.kernels as k; \
-	  assert 'site-packages' in str(k.CSRC_DIR), k.CSRC_DIR; k.load_kernels(); \
+	  assert str(k.CSRC_DIR).endswith('site-packages/platforms/cpu/csrc'), k.CSRC_DIR; k.load_kernels(); \
 	  print('CPU kernels built from the installed sources in', k.CSRC_DIR)"
 	.venv-install/bin/core generate --model /tmp/core-install-model/tiny-llama --max-tokens 8 --no-chat-template "Hello"
 

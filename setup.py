@@ -119,9 +119,15 @@ def cpu_sources_build_py():
             super().run()
             dest = Path(self.build_lib) / "platforms" / "cpu" / "csrc"
             dest.mkdir(parents=True, exist_ok=True)
-            for src in sorted((CSRC / "cpu").glob("*")):
-                if src.suffix in (".cpp", ".h"):
-                    self.copy_file(str(src), str(dest / src.name))
+            sources = [p for p in sorted((CSRC / "cpu").glob("*")) if p.suffix in (".cpp", ".h")]
+            if not sources:
+                raise RuntimeError(
+                    f"setup.py: no CPU kernel sources in {CSRC / 'cpu'}; a wheel without them "
+                    "runs the CPU platform on plain torch. Build from a checkout or an sdist "
+                    "that includes csrc/ (MANIFEST.in)"
+                )
+            for src in sources:
+                self.copy_file(str(src), str(dest / src.name))
 
     return BuildPyWithCpuSources
 

@@ -294,10 +294,16 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     // Whole sequences per task when there are enough of them to keep every thread busy;
     // otherwise one kv head per task, so a lone long sequence still uses all threads.
     const int64_t per_task = seqs >= at::get_num_threads() ? std::min(kvh, max_heads) : 1;
-    const int64_t chunks = (kvh + per_task - 1) / per_task;
-    at::parallel_for(0, seqs * chunks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t chunks = (kvh + per_task - 1) / per_task, tasks = seqs * chunks;
+    // parallel_for gives each thread a contiguous range; the rows of one prompt grow longer
+    // down the batch, so hand thread j the strided tasks j, j + T, ... instead.
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+    const int64_t per_thread = (tasks + threads - 1) / threads;
+    at::parallel_for(0, per_thread * threads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t task = (i % per_thread) * threads + i / per_thread;  // a bijection
+        if (task >= tasks) continue;
         const int64_t h0 = (task % chunks) * per_task;
         decode(a, task / chunks, h0, std::min(kvh, h0 + per_task), buf);
       }

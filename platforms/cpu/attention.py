@@ -205,10 +205,13 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
 
 def _prompt_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """For each prompt row of the step: (its sequence's block-table row, the length it
-    attends over = its absolute position + 1), both int32 [num_prefill_tokens]."""
-    p = md.num_prefills
+    attends over = its absolute position + 1), both int32 [num_prefill_tokens]. A padding
+    row (negative slot) attends over its sequence's first position only: its output is
+    unspecified, and its position may lie past the sequence's block table."""
+    p, n = md.num_prefills, md.num_prefill_tokens
     starts = md.query_start_loc[: p + 1].long()
     counts = starts[1:] - starts[:-1]
     seq = torch.repeat_interleave(torch.arange(p), counts)
-    pos = torch.arange(md.num_prefill_tokens) - starts[:-1][seq] + md.context_lens[:p].long()[seq]
+    pos = torch.arange(n) - starts[:-1][seq] + md.context_lens[:p].long()[seq]
+    pos = pos.masked_fill_(md.slot_mapping[:n] < 0, 0)
     return seq.to(torch.int32), (pos + 1).to(torch.int32)

@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 _CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 _PACKAGED_CSRC = Path(__file__).resolve().parent / "csrc"
 """Where an installed wheel carries the sources (setup.py's build_py copies csrc/cpu there)."""
-CSRC_DIR = _CHECKOUT_CSRC if _CHECKOUT_CSRC.is_dir() else _PACKAGED_CSRC
-"""The sources: the repository's csrc/cpu in a checkout (editable installs too), else the
-copy inside the installed package."""
+CSRC_DIR = _PACKAGED_CSRC if _PACKAGED_CSRC.is_dir() else _CHECKOUT_CSRC
+"""The sources: the copy inside an installed package, else the repository's csrc/cpu (a
+checkout, editable installs)."""
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
 """-fopenmp makes at::parallel_for use torch's OpenMP pool (the library links the same
 libgomp soname torch ships, so there is one thread pool, not two)."""
@@ -55,6 +55,17 @@ def _cpu_digest() -> str:
     except OSError:
         text += platform.processor()
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _source_digest(csrc: Path = CSRC_DIR) -> str:
+    """Short digest of the kernel sources: a build name per source version, so two installs
+    (or a checkout and an install) sharing torch's extension cache never load each other's
+    library (ninja alone decides by file times, which pip sets at install)."""
+    h = hashlib.sha256()
+    for path in sorted(csrc.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:10]
 
 
 def _registered() -> bool:
@@ -87,7 +98,7 @@ def load_kernels() -> Any:
 
     logger.info("building the CPU kernels from %s if not cached (first run: under a minute)", CSRC_DIR)
     load(
-        name=f"core_cpu_{_cpu_digest()}",
+        name=f"core_cpu_{_cpu_digest()}_{_source_digest()}",
         sources=[str(p) for p in kernel_sources()],
         extra_include_paths=[str(CSRC_DIR)],
         extra_cflags=list(CXX_FLAGS),

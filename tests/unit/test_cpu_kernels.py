@@ -143,9 +143,12 @@ def test_prompts_through_the_kernel_match_naive_reference(heads, kv_heads, d, dt
     query = torch.randn(sum(new), heads, d, generator=torch.Generator().manual_seed(18)).to(dtype)
     spec = AttentionSpec(heads, kv_heads, d, dtype, bs, sliding_window=window)
     qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.tensor(  # where each new token's key already sits (forward writes first)
+        [int(tables[i, p // bs]) * bs + p % bs for i in range(len(lens)) for p in range(cached[i], lens[i])]
+    )
     md = AttentionMetadata(
         num_prefills=len(lens), num_prefill_tokens=sum(new), num_decode_tokens=0,
-        slot_mapping=torch.full((sum(new),), -1), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        slot_mapping=slots, seq_lens=torch.tensor(lens, dtype=torch.int32),
         context_lens=torch.tensor(cached, dtype=torch.int32), query_start_loc=qsl,
         block_tables=tables, max_query_len=max(new), max_seq_len=max(lens),
     )
@@ -154,6 +157,25 @@ def test_prompts_through_the_kernel_match_naive_reference(heads, kv_heads, d, dt
     want = reference_attention(query, keys, values, new, spec.softmax_scale, window)
     atol = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
+
+
+def test_trailing_padding_rows_of_a_prompt_stay_in_bounds() -> None:
+    """Padding rows (negative slots) after a prompt's tokens, positioned past its block
+    table: their output is unspecified, but they must not fail or disturb the real rows."""
+    bs, n, pad = 16, 32, 17
+    cache, tables, _, keys, values = _decode_case(19, 4, 2, 64, bs, [n], torch.float32)
+    query = torch.randn(n + pad, 4, 64, generator=torch.Generator().manual_seed(20))
+    slots = torch.tensor([int(tables[0, p // bs]) * bs + p % bs for p in range(n)] + [-1] * pad)
+    md = AttentionMetadata(
+        num_prefills=1, num_prefill_tokens=n + pad, num_decode_tokens=0, slot_mapping=slots,
+        seq_lens=torch.tensor([n + pad], dtype=torch.int32), context_lens=torch.tensor([0], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n + pad], dtype=torch.int32), block_tables=tables,
+        max_query_len=n + pad, max_seq_len=n + pad,
+    )
+    out = torch.full_like(query, float("nan"))
+    CpuPagedAttentionBackend(AttentionSpec(4, 2, 64, torch.float32, bs))._prefill(query, None, None, cache, md, out)
+    want = reference_attention(query[:n], keys, values, [n], 1 / 8)
+    torch.testing.assert_close(out[:n], want, atol=2e-5, rtol=0)
 
 
 def test_paged_decode_rejects_a_table_row_outside_the_tables() -> None:
