@@ -247,7 +247,7 @@ class Sampler:
         if not batch.random_rows and not batch.needs_processing:
             chosen, tokens = top, argmax  # fast path: nothing changes the argmax
         else:
-            tokens = self._choose(logits, rows, batch)
+            tokens = self._choose(logits, rows, batch, top)
             chosen = logits.gather(1, tokens[:, None])[:, 0]
         return tokens, chosen - lse, lse
 
@@ -273,8 +273,14 @@ class Sampler:
         return out
 
     def _choose(
-        self, logits: torch.Tensor, rows: Sequence[ScheduledSequence], batch: _Batch
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[ScheduledSequence],
+        batch: _Batch,
+        row_max: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Tokens of every row. ``row_max``: the raw logits' row maxima, when scratch ``exp``
+        still holds ``exp(logits - row_max)`` from the logsumexp pass."""
         work = self._scaled(logits, rows, batch)
         if not batch.random_rows:
             return work.argmax(dim=-1)
@@ -282,7 +288,10 @@ class Sampler:
         if batch.greedy_rows:
             greedy = batch.index(batch.greedy_rows)
             tokens[greedy] = self._ws.rows("sub", work, greedy).argmax(dim=-1)
-        w = self._weights(work, batch)
+        # Unscaled, unprocessed and all rows random: the weights start from exp(logits - max),
+        # which the logsumexp pass left in scratch "exp" (the OpenAI defaults take this path).
+        reuse = row_max is not None and work is logits and not batch.greedy_rows
+        w = self._weights(work, batch, row_max if reuse else None)
         u = self._uniforms([rows[i] for i in batch.random_rows])
         drawn = _inverse_cdf(w, _to_device(u, torch.float64, logits.device))
         if not batch.greedy_rows:
@@ -314,10 +323,15 @@ class Sampler:
             torch.nan_to_num_(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max, neginf=float("-inf"))
         return work
 
-    def _weights(self, work: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        """Unnormalised sampling weights [R, V] of the R non-greedy rows, in row order."""
+    def _weights(
+        self, work: torch.Tensor, batch: _Batch, row_max: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Unnormalised sampling weights [R, V] of the R non-greedy rows, in row order.
+        ``row_max``: ``work``'s row maxima, with ``exp(work - row_max)`` already in scratch
+        ``exp`` (only when every row is random)."""
         rand = batch.random_rows
         sub = work if not batch.greedy_rows else self._ws.rows("rows", work, batch.index(rand))
+        ready = None if row_max is None else (row_max, self._ws.get("exp", work.shape, work))
         return _filter(
             sub,
             [batch.top_k[i] for i in rand],
@@ -325,6 +339,7 @@ class Sampler:
             [batch.min_p[i] for i in rand],
             self.top_p_candidates,
             self._ws,
+            ready,
         )
 
     def _uniforms(self, rows: Sequence[ScheduledSequence]) -> torch.Tensor:
@@ -489,12 +504,15 @@ def _filter(
     min_p: list[float],
     candidates: int,
     ws: _Scratch,
+    ready: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weights ``exp(z - max)`` of scaled logits ``z`` [R, V] with tokens below each
     row's top-k / top-p / min-p cut-off set to 0, in scratch ``exp``. ``z`` is only read;
-    the per-row parameters are host lists, so deciding what to run reads nothing back."""
+    the per-row parameters are host lists, so deciding what to run reads nothing back.
+    ``ready``: ``(max, exp(z - max))`` when the caller computed them already (the second is
+    scratch ``exp`` itself)."""
     dev = z.device
-    z_max = z.amax(dim=-1)
+    z_max = z.amax(dim=-1) if ready is None else ready[0]
     k_cut = torch.full((z.shape[0],), float("-inf"), device=dev)
     k_rows = [i for i, k in enumerate(top_k) if k > 0]
     if k_rows:
@@ -506,7 +524,10 @@ def _filter(
     if any(m > 0 for m in min_p):
         min_p_t = _to_device(min_p, torch.float32, dev)
         cut = torch.maximum(cut, z_max + torch.log(min_p_t))  # p_i >= min_p * p_max
-    p = torch.sub(z, z_max[:, None], out=ws.get("exp", z.shape, z)).exp_()
+    if ready is None:
+        p = torch.sub(z, z_max[:, None], out=ws.get("exp", z.shape, z)).exp_()
+    else:
+        p = ready[1]
     p_rows = [i for i, tp in enumerate(top_p) if tp < 1.0]
     if p_rows:
         idx = _to_device(p_rows, torch.int64, dev)
