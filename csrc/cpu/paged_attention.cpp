@@ -295,14 +295,20 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     // otherwise one kv head per task, so a lone long sequence still uses all threads.
     const int64_t per_task = seqs >= at::get_num_threads() ? std::min(kvh, max_heads) : 1;
     const int64_t chunks = (kvh + per_task - 1) / per_task, tasks = seqs * chunks;
-    // parallel_for gives each thread a contiguous range; the rows of one prompt grow longer
-    // down the batch, so hand thread j the strided tasks j, j + T, ... instead.
+    // parallel_for gives each thread one contiguous range, but the rows of a prompt grow
+    // longer down the batch. Deal the tasks out block-cyclically instead: kSpread blocks of
+    // consecutive tasks per thread, from all over the batch (balance), each block still a
+    // run of neighbouring rows that read the same keys (cache locality).
+    constexpr int64_t kSpread = 8;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-    const int64_t per_thread = (tasks + threads - 1) / threads;
-    at::parallel_for(0, per_thread * threads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t block = std::max<int64_t>(1, tasks / (threads * kSpread));
+    const int64_t blocks = (tasks + block - 1) / block;
+    const int64_t blocks_per_thread = (blocks + threads - 1) / threads;
+    at::parallel_for(0, blocks_per_thread * threads * block, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t task = (i % per_thread) * threads + i / per_thread;  // a bijection
+        const int64_t b = i / block;  // dealt block -> batch block: a bijection
+        const int64_t task = ((b % blocks_per_thread) * threads + b / blocks_per_thread) * block + i % block;
         if (task >= tasks) continue;
         const int64_t h0 = (task % chunks) * per_task;
         decode(a, task / chunks, h0, std::min(kvh, h0 + per_task), buf);
