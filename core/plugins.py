@@ -22,6 +22,10 @@ from core.version import PLUGIN_API_VERSION
 
 logger = logging.getLogger(__name__)
 
+_PLUGIN_MODEL_TYPES: set[str] = set()
+"""model_type names registered with transformers' AutoConfig by plugins in this process (a
+later engine may register a new class object for one of them; transformers' own stay)."""
+
 ENTRY_POINT_GROUP = "core.platforms"
 
 
@@ -109,8 +113,10 @@ class Plugins:
         hook = getattr(self.pm.hook, hook_name)
         out = []
         for impl in hook.get_hookimpls():
-            # An implementation may take a subset of the hook's arguments (pluggy's rule).
-            result = impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+            # An implementation may take a subset of the hook's arguments (pluggy's rule),
+            # required or with a default (pluggy lists the latter in kwargnames).
+            names = (*impl.argnames, *impl.kwargnames)
+            result = impl.function(**{k: v for k, v in kwargs.items() if k in names})
             if result is not None:
                 out.append((impl.plugin_name, result))
         return out
@@ -186,14 +192,15 @@ class Plugins:
                     "plugin %r maps model_type %r to %s, whose model_type is %r; not registered",
                     names[0], model_type, cls.__name__, getattr(cls, "model_type", None),
                 )
-            elif known is not None and known is not cls:
+            elif known is not None and known is not cls and model_type not in _PLUGIN_MODEL_TYPES:
                 logger.warning(
                     "plugin %r provides model_type %r, which transformers already knows "
                     "(%s); not registered", names[0], model_type, known.__name__,
                 )
             else:
-                if known is None:
-                    AutoConfig.register(model_type, cls)
+                if known is not cls:  # new, or a plugin's class for it changed (a reload)
+                    AutoConfig.register(model_type, cls, exist_ok=True)
+                    _PLUGIN_MODEL_TYPES.add(model_type)
                 done.append(model_type)
         return done
 

@@ -247,7 +247,7 @@ class Sampler:
         if not batch.random_rows and not batch.needs_processing:
             chosen, tokens = top, argmax  # fast path: nothing changes the argmax
         else:
-            tokens = self._choose(logits, rows, batch, top)
+            tokens = self._choose(logits, rows, batch, top, argmax)
             chosen = logits.gather(1, tokens[:, None])[:, 0]
         return tokens, chosen - lse, lse
 
@@ -278,9 +278,11 @@ class Sampler:
         rows: Sequence[ScheduledSequence],
         batch: _Batch,
         row_max: torch.Tensor | None = None,
+        row_argmax: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tokens of every row. ``row_max``: the raw logits' row maxima, when scratch ``exp``
-        still holds ``exp(logits - row_max)`` from the logsumexp pass."""
+        """Tokens of every row. ``row_max`` / ``row_argmax``: the raw logits' row maxima and
+        their positions, when scratch ``exp`` still holds ``exp(logits - row_max)`` from the
+        logsumexp pass."""
         work = self._scaled(logits, rows, batch)
         if not batch.random_rows:
             return work.argmax(dim=-1)
@@ -294,6 +296,11 @@ class Sampler:
         w = self._weights(work, batch, row_max if reuse else None)
         u = self._uniforms([rows[i] for i in batch.random_rows])
         drawn = _inverse_cdf(w, _to_device(u, torch.float64, logits.device))
+        if row_argmax is not None:
+            # A row with no usable weights (a +inf or NaN logit) takes its raw argmax, which
+            # is where an infinite logit sits, instead of an index past the vocabulary.
+            raw = row_argmax if not batch.greedy_rows else row_argmax[batch.index(batch.random_rows)]
+            drawn = torch.where(drawn >= 0, drawn, raw)
         if not batch.greedy_rows:
             return drawn
         tokens[batch.index(batch.random_rows)] = drawn
@@ -637,8 +644,9 @@ def _chunk_sums(p: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token per row drawn from unnormalised weights ``p`` [R, V] (>= 0, row sum > 0): the
-    first token whose cumulative weight exceeds ``u * total``, in vocabulary order."""
+    """Token per row drawn from unnormalised weights ``p`` [R, V] (>= 0): the first token
+    whose cumulative weight exceeds ``u * total``, in vocabulary order; -1 for a row whose
+    total is not a positive finite number (NaN or infinite logits, nothing left)."""
     vocab = p.shape[1]
     csum = _chunk_sums(p).cumsum(dim=-1)
     target = u * csum[:, -1]  # < total: u <= 1 - 2**-53 and float64 rounds to nearest
@@ -658,7 +666,9 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ok = (local > 0) & (pos <= j[:, None])
     last = torch.where(ok, pos, -1).amax(dim=-1)
     j = torch.where(bad & (last >= 0), last, j)
-    return cols.gather(1, j[:, None])[:, 0]
+    total = csum[:, -1]
+    drawn = cols.gather(1, j[:, None])[:, 0]
+    return torch.where(torch.isfinite(total) & (total > 0), drawn, -1)
 
 
 def _top_logprobs(

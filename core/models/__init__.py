@@ -83,7 +83,9 @@ class ModelRegistry:
                 )
 
     def names(self) -> list[str]:
-        return sorted({*_BUILTIN, *self._extra})
+        """The architectures that load (a name provided twice does not)."""
+        conflicts = {n for n, v in self._extra.items() if isinstance(v, ArchitectureConflict)}
+        return sorted({*_BUILTIN, *self._extra} - conflicts)
 
     def resolve(self, architecture: str) -> Any:
         found = self._extra.get(architecture)

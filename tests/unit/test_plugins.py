@@ -215,11 +215,20 @@ def test_op_overrides_see_the_engine_config_and_old_hookimpls_still_work():
         return {"silu_and_mul": fast_norm} if platform_name == "cpu" else {}
 
     old_style.core_op_overrides = core_op_overrides
+    both = _plugin(">=1.0,<2")  # written for 1.0 and 1.1: config with a default
+
+    @core.hookimpl
+    def core_op_overrides(platform_name, config=None):  # noqa: F811
+        seen["defaulted"] = config
+        return {}
+
+    both.core_op_overrides = core_op_overrides
     p = Plugins()
     p.register(new_style, "new")
     p.register(old_style, "old")
+    p.register(both, "both")
     assert p.op_overrides("cpu", "bf16-config") == {"rms_norm": fast_norm, "silu_and_mul": fast_norm}
-    assert seen["config"] == "bf16-config"
+    assert seen["config"] == "bf16-config" and seen["defaulted"] == "bf16-config"
     assert p.op_overrides("cpu", "fp32-config") == {"silu_and_mul": fast_norm}
 
 
@@ -297,3 +306,17 @@ def test_model_configs_refused_when_provided_twice_or_already_known(caplog):
     assert "plugin 'a' provides model_type 'llama', which transformers already knows" in caplog.text
     assert "core_test_dup" not in CONFIG_MAPPING and CONFIG_MAPPING["llama"] is LlamaConfig
     assert CONFIG_MAPPING["core_test_fine"] is FineConfig
+
+    class FineConfigReloaded(LlamaConfig):  # the plugin's module reloaded: a new class object
+        model_type = "core_test_fine"
+
+    again = Plugins()
+    again.register(_arch_free_config_plugin({"core_test_fine": FineConfigReloaded}), "b")
+    assert again.register_model_configs() == ["core_test_fine"]
+    assert CONFIG_MAPPING["core_test_fine"] is FineConfigReloaded
+
+
+def _arch_free_config_plugin(configs: dict) -> types.SimpleNamespace:
+    ns = _plugin(">=1.1,<2")
+    ns.core_model_configs = core.hookimpl(lambda: dict(configs))
+    return ns

@@ -389,3 +389,23 @@ def test_largest_uniform_draws_a_token_with_weight(vocab: int) -> None:
     assert bool((p.gather(1, tokens[:, None]) > 0).all()), tokens
     last = p.gt(0).cumsum(dim=-1).argmax(dim=-1)  # the last token with weight
     assert tokens.tolist() == last.tolist()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+     SamplingParams(top_k=5, min_p=0.1)],
+    ids=["t1", "top_p", "top_k+min_p"],
+)
+def test_an_infinite_logit_is_drawn_not_an_index_past_the_vocabulary(params) -> None:
+    """A +inf logit (e.g. an fp16 overflow upstream) leaves no finite weights; the row must
+    still get a real token — the infinite one — and the other rows their normal draws."""
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(5))
+    logits[1, 2] = float("inf")
+    rows = [row(params, output_index=1) for _ in range(3)]
+    out = Sampler(seed=1)(logits, rows)
+    assert out.token_ids[1] == 2
+    finite = logits.clone()
+    finite[1] = 0.0
+    ref = Sampler(seed=1)(finite, rows)
+    assert [out.token_ids[0], out.token_ids[2]] == [ref.token_ids[0], ref.token_ids[2]]
