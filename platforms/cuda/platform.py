@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from core.attention import AttentionBackend
 from core.platform import (
     Capability,
     DecodeGraphRunner,
@@ -29,7 +30,7 @@ from platforms.cuda.attention import (
 from platforms.cuda.build import kernels_status, load_ops
 
 if TYPE_CHECKING:
-    from core.attention import AttentionBackend, AttentionSpec
+    from core.attention import AttentionSpec
     from core.config import EngineConfig
 
 PROBE_SCORE = 100
@@ -64,6 +65,8 @@ class CudaPlatform(Platform):
         "docs/platforms.md and docs/benchmarks/cuda_*.md)"
     )
     device_visibility_env = "CUDA_VISIBLE_DEVICES"
+    paged_attention: type[AttentionBackend] = CudaPagedAttention
+    """The built-in backend (the ROCm platform, a subclass, names its own)."""
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -108,12 +111,13 @@ class CudaPlatform(Platform):
     def attention_backend_class(
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
-        if requested not in (None, CudaPagedAttention.name):
+        backend = self.paged_attention
+        if requested not in (None, backend.name):
             raise ValueError(
-                f"attention backend {requested!r} is not built into platform 'cuda' (it has "
-                f"{CudaPagedAttention.name!r}); a plugin can add one via core_attention_backends"
+                f"attention backend {requested!r} is not built into platform {self.name!r} (it "
+                f"has {backend.name!r}); a plugin can add one via core_attention_backends"
             )
-        return CudaPagedAttention
+        return backend
 
     def ops(self) -> dict[str, Any]:
         """Fused csrc kernels for RMSNorm (+ residual), SiLU-and-mul and rotary."""
@@ -175,7 +179,7 @@ class CudaPlatform(Platform):
         head = _head_size(config.model.hf_config)
         if head is not None and head not in SUPPORTED_HEAD_SIZES:
             raise ValueError(
-                f"the model's attention head size is {head}; the cuda platform's kernels "
+                f"the model's attention head size is {head}; the {self.name} platform's kernels "
                 f"support {list(SUPPORTED_HEAD_SIZES)}. Run this model with --platform cpu"
             )
         return config

@@ -2,9 +2,9 @@
 
 PyTorch's ROCm build exposes HIP devices as torch device type ``cuda`` (and its kernels
 under the CUDA dispatch key), and its ``torch.cuda`` calls drive HIP: memory, streams and
-graphs are HIP's. Runtime calls here therefore look like the CUDA platform's; where the
-logic is more than a torch call (KV budget, decode graphs) it is the CUDA platform's,
-reached through an instance of it rather than copied.
+graphs are HIP's. The platform is therefore the CUDA platform's subclass: it inherits the
+device facts, memory logic (KV budget, peak memory), decode graphs and runtime calls, and
+replaces the probe, the kernels, the attention backend and the fused ops.
 
 Nothing here touches the GPU at import time, and :meth:`RocmPlatform.probe` never
 initialises HIP: it reads torch's build info, the kernel driver's topology in sysfs, and
@@ -14,20 +14,14 @@ whether the kernels can be loaded.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from core.platform import Capability, Platform, ProbeResult
-from platforms.cuda.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
-from platforms.cuda.platform import CudaPlatform, _head_size
+from core.platform import ProbeResult
+from platforms.cuda.platform import CudaPlatform
 from platforms.rocm.attention import RocmPagedAttention
 from platforms.rocm.build import WAVE64_ARCH_PREFIX, kernels_status, load_ops
-
-if TYPE_CHECKING:
-    from core.attention import AttentionBackend, AttentionSpec
-    from core.config import EngineConfig
-    from core.platform import DecodeGraphRunner, DecodeGraphSpec, ModelForward
 
 PROBE_SCORE = 100
 """Score when usable: above the CPU platform's. A torch build is either CUDA or ROCm, so this
@@ -128,18 +122,15 @@ def probe_result(
     )
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(CudaPlatform):
+    """The CUDA platform over a ROCm torch: device facts, memory, graphs and runtime calls
+    are inherited (torch.cuda drives HIP there); the probe, the kernels (hipified csrc),
+    the attention backend and the status are ROCm's own."""
+
     name = "rocm"
-    device_type = "cuda"
-    dispatch_key = "CUDA"
-    capabilities = frozenset(
-        {Capability.GRAPH_CAPTURE, Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY}
-    )
     verification = "never run (compiled for gfx90a with hipcc only)"
     device_visibility_env = "HIP_VISIBLE_DEVICES"
-
-    def __init__(self) -> None:
-        self._cuda = CudaPlatform()  # torch.cuda logic; on a ROCm torch it drives HIP
+    paged_attention = RocmPagedAttention
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -149,75 +140,13 @@ class RocmPlatform(Platform):
         archs = kfd_gpu_archs()
         return probe_result(hip, archs, visible_gpu_count(archs), kernels_status())
 
-    # ---- device facts ---------------------------------------------------------------------
-    def device_count(self) -> int:
-        return torch.cuda.device_count()
-
-    def memory_info(self, device_index: int = 0) -> tuple[int, int]:
-        free, total = torch.cuda.mem_get_info(device_index)
-        return int(free), int(total)
-
-    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
-        return SUPPORTED_DTYPES
-
-    def supported_block_sizes(self) -> tuple[int, ...]:
-        return SUPPORTED_BLOCK_SIZES
-
-    # ---- attention ---------------------------------------------------------------------------
-    def attention_backend_class(
-        self, spec: AttentionSpec, requested: str | None = None
-    ) -> type[AttentionBackend]:
-        if requested not in (None, RocmPagedAttention.name):
-            raise ValueError(
-                f"attention backend {requested!r} is not built into platform 'rocm' (it has "
-                f"{RocmPagedAttention.name!r}); a plugin can add one via core_attention_backends"
-            )
-        return RocmPagedAttention
+    def ops(self) -> dict[str, Any]:
+        """None: the fused element-wise kernels load through the CUDA build, and their
+        hipified twins have never run, so ROCm keeps core's torch ops."""
+        return {}
 
     def distributed_backend(self) -> str:
         return "nccl"  # RCCL, under torch's nccl name on ROCm builds
-
-    # ---- memory and graphs: the CUDA platform's logic over torch.cuda (HIP here) -----------
-    def kv_cache_budget(
-        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
-    ) -> int:
-        return self._cuda.kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
-
-    def reset_peak_memory(self) -> None:
-        self._cuda.reset_peak_memory()
-
-    def peak_memory_bytes(self) -> int | None:
-        return self._cuda.peak_memory_bytes()
-
-    def decode_graph_runner(
-        self, model: ModelForward, kv_caches: list[torch.Tensor], spec: DecodeGraphSpec
-    ) -> DecodeGraphRunner | None:
-        """Per-bucket decode graphs, captured as HIP graphs through torch.cuda.CUDAGraph."""
-        return self._cuda.decode_graph_runner(model, kv_caches, spec)
-
-    # ---- runtime -----------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
-
-    def seed_everything(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        torch.cuda.manual_seed_all(seed)
-
-    def set_device(self, index: int) -> None:
-        torch.cuda.set_device(index)
-
-    def validate(self, config: EngineConfig) -> EngineConfig:
-        config = super().validate(config)
-        head = _head_size(config.model.hf_config)
-        if head is not None and head not in SUPPORTED_HEAD_SIZES:
-            raise ValueError(
-                f"the model's attention head size is {head}; the rocm platform's kernels "
-                f"support {list(SUPPORTED_HEAD_SIZES)}. Run this model with --platform cpu"
-            )
-        return config
 
     def get_extension(self, name: str) -> Any:
         """``"core_C"``: the ``torch.ops.core_C`` namespace (hipifies and builds, or loads,
