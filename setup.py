@@ -24,6 +24,9 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
+sys.path.insert(0, str(ROOT))  # platforms.gpu_sources (standard library only) lists the kernels
+
+from platforms.gpu_sources import kernel_sources  # noqa: E402
 
 
 def _skip(reason: str) -> tuple[list, dict]:
@@ -42,9 +45,7 @@ def cuda_extension() -> tuple[list, dict]:
         return _skip(f"torch {torch.__version__} is not a CUDA build")
     if CUDA_HOME is None:
         return _skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
-    sources = sorted(CSRC.rglob("*.cu")) + sorted(
-        p for p in CSRC.rglob("*.cpp") if p.relative_to(CSRC).parts[0] != "cpu"
-    )  # csrc/cpu/ is the CPU platform's own extension
+    sources = kernel_sources(CSRC)
     ext = CUDAExtension(
         name="platforms.cuda._C",
         sources=[str(p.relative_to(ROOT)) for p in sources],
@@ -67,7 +68,8 @@ def _torch_is_rocm() -> bool:
 
 
 def _rocm_build_module():
-    """platforms/rocm/build.py, loaded by path: the package is not importable at build time."""
+    """platforms/rocm/build.py, loaded by path: platforms.rocm's package imports core and
+    torch-dependent modules that need not be installed at build time."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(

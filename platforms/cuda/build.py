@@ -20,23 +20,16 @@ from typing import Any
 
 import torch
 
+from platforms.gpu_sources import CSRC_DIR, kernel_sources
+
 logger = logging.getLogger(__name__)
 
 PREBUILT_MODULE = "platforms.cuda._C"
 JIT_NAME = "core_C"
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-"""The kernel sources; present in a source checkout, absent from an installed wheel."""
 NVCC_FLAGS = ("-O3", "-lineinfo")
 """Target architectures come from torch (TORCH_CUDA_ARCH_LIST, else the visible GPUs),
 so a JIT build on an H200 compiles exactly sm_90 and nothing else."""
 CXX_FLAGS = ("-O3",)
-
-
-def kernel_sources(csrc: Path = CSRC_DIR) -> list[Path]:
-    """Every translation unit of the extension: device code (.cu) and op registration (.cpp)."""
-    return sorted(csrc.rglob("*.cu")) + sorted(
-        p for p in csrc.rglob("*.cpp") if "cpu" not in p.relative_to(csrc).parts[:1]
-    )  # csrc/cpu/ is the CPU platform's own extension
 
 
 def find_nvcc() -> str | None:

@@ -26,12 +26,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from platforms.gpu_sources import CSRC_DIR, kernel_sources
+
 logger = logging.getLogger(__name__)
 
 PREBUILT_MODULE = "platforms.rocm._C"
 JIT_NAME = "core_C_hip"
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-"""The kernel sources; present in a source checkout, absent from an installed wheel."""
 HIPCC_FLAGS = ("-O3",)
 """Added to torch's own hipcc flags (-DUSE_ROCM=1, -D__HIP_NO_HALF_CONVERSIONS__=1, ...)."""
 CXX_FLAGS = ("-O3",)
@@ -39,13 +39,6 @@ DEFAULT_OFFLOAD_ARCHS = ("gfx90a", "gfx942")
 """What setup.py compiles for when PYTORCH_ROCM_ARCH is unset: MI200 and MI300 (CDNA)."""
 WAVE64_ARCH_PREFIX = "gfx9"
 """The kernels need 64-wide wavefronts; HIP offers them on gfx9 (GCN/CDNA) only."""
-
-
-def kernel_sources(csrc: Path = CSRC_DIR) -> list[Path]:
-    """The extension's translation units, as on CUDA (platforms.cuda.build.kernel_sources)."""
-    return sorted(csrc.rglob("*.cu")) + sorted(
-        p for p in csrc.rglob("*.cpp") if "cpu" not in p.relative_to(csrc).parts[:1]
-    )  # csrc/cpu/ is the CPU platform's own extension
 
 
 def find_hipcc() -> str | None:

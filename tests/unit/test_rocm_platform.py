@@ -114,7 +114,13 @@ def test_offload_archs_must_be_wave64():
 
 def test_rocm_builds_the_same_translation_units_as_cuda():
     assert rocm_build.CSRC_DIR == cuda_build.CSRC_DIR
-    assert rocm_build.kernel_sources() == cuda_build.kernel_sources()
+    units = rocm_build.kernel_sources()
+    assert units == cuda_build.kernel_sources()
+    csrc = cuda_build.CSRC_DIR
+    # every .cu of csrc, the op-registration .cpp files, nothing of the CPU extension
+    assert set(csrc.rglob("*.cu")) <= set(units)
+    assert {p.name for p in units if p.suffix == ".cpp"} >= {"torch_bindings.cpp", "ops_cuda.cpp"}
+    assert not [p for p in units if p.relative_to(csrc).parts[0] == "cpu"]
 
 
 def test_platform_facts():
