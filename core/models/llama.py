@@ -144,9 +144,14 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.spec.num_heads, d)  # [T, H, D]
         k = k.view(-1, self.spec.num_kv_heads, d)  # [T, KVH, D]
         v = v.view(-1, self.spec.num_kv_heads, d)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, *self.per_head(q, k))
         out = self.attn.forward(q, k, v, kv_cache, metadata)  # [T, H, D]
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def per_head(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a family does to each query and key head before the rotary embedding
+        (Qwen3: an RMSNorm); nothing for Llama."""
+        return q, k
 
 
 class LlamaDecoderLayer(nn.Module):
