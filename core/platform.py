@@ -284,3 +284,23 @@ class Platform(ABC):
     def replace(config: EngineConfig, **parts: Any) -> EngineConfig:
         """Helper for ``validate``: a copy of ``config`` with some parts replaced."""
         return dataclasses.replace(config, **parts)
+
+
+def builtin_backend(
+    platform: str,
+    requested: str | None,
+    default: type[AttentionBackend],
+    *others: type[AttentionBackend],
+) -> type[AttentionBackend]:
+    """:meth:`Platform.attention_backend_class` for the built-in backends: ``default`` when
+    nothing is requested, else the one named ``requested``; any other name is an error that
+    lists what ``platform`` has (plugin backends are looked up before the platform is asked)."""
+    if requested is None:
+        return default
+    backends = {b.name: b for b in (default, *others)}
+    if requested not in backends:
+        raise ValueError(
+            f"attention backend {requested!r} is not built into platform {platform!r} (it has "
+            f"{sorted(backends)}); a plugin can add one via core_attention_backends"
+        )
+    return backends[requested]

@@ -11,7 +11,7 @@ import torch
 from core.attention import AttentionBackend, AttentionSpec
 from core.config import GiB
 from core.models.layers import LinearMethod
-from core.platform import Capability, Platform, ProbeResult
+from core.platform import Capability, Platform, ProbeResult, builtin_backend
 from platforms.cpu import linear
 from platforms.cpu.attention import CpuAttentionBackend, CpuPagedAttentionBackend
 from platforms.cpu.kernels import kernels_or_none
@@ -96,16 +96,10 @@ class CpuPlatform(Platform):
     def attention_backend_class(
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
-        backends = {b.name: b for b in (CpuPagedAttentionBackend, CpuAttentionBackend)}
         if requested is None:
             # The kernel backend when csrc/cpu builds here; plain torch otherwise.
             return CpuPagedAttentionBackend if kernels_or_none() else CpuAttentionBackend
-        if requested not in backends:
-            raise ValueError(
-                f"attention backend {requested!r} is not built into platform 'cpu' (it has "
-                f"{sorted(backends)}); a plugin can add one via core_attention_backends"
-            )
-        return backends[requested]
+        return builtin_backend(self.name, requested, CpuPagedAttentionBackend, CpuAttentionBackend)
 
     def ops(self) -> dict[str, Any]:
         kernels = kernels_or_none()

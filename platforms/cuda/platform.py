@@ -20,6 +20,7 @@ from core.platform import (
     ModelForward,
     Platform,
     ProbeResult,
+    builtin_backend,
 )
 from platforms.cuda.attention import (
     SUPPORTED_BLOCK_SIZES,
@@ -111,13 +112,7 @@ class CudaPlatform(Platform):
     def attention_backend_class(
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
-        backend = self.paged_attention
-        if requested not in (None, backend.name):
-            raise ValueError(
-                f"attention backend {requested!r} is not built into platform {self.name!r} (it "
-                f"has {backend.name!r}); a plugin can add one via core_attention_backends"
-            )
-        return backend
+        return builtin_backend(self.name, requested, self.paged_attention)
 
     def ops(self) -> dict[str, Any]:
         """Fused csrc kernels for RMSNorm (+ residual), SiLU-and-mul and rotary."""

@@ -27,7 +27,7 @@ import torch
 
 from core.attention import AttentionBackend, AttentionSpec
 from core.config import GiB
-from core.platform import Capability, Platform, ProbeResult
+from core.platform import Capability, Platform, ProbeResult, builtin_backend
 from platforms.hpu.attention import HpuAttentionBackend
 
 EMULATE_ENV = "CORE_HPU_EMULATE"
@@ -125,12 +125,7 @@ class HpuPlatform(Platform):
     def attention_backend_class(
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
-        if requested not in (None, HpuAttentionBackend.name):
-            raise ValueError(
-                f"attention backend {requested!r} is not built into platform 'hpu' (it has "
-                f"{HpuAttentionBackend.name!r}); a plugin can add one via core_attention_backends"
-            )
-        return HpuAttentionBackend
+        return builtin_backend(self.name, requested, HpuAttentionBackend)
 
     def kv_cache_budget(
         self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int

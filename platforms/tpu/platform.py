@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.platform import Capability, Platform, ProbeResult
+from core.platform import Capability, Platform, ProbeResult, builtin_backend
 from platforms.cpu.platform import DEFAULT_KV_CACHE_BYTES, _available_memory
 from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
 
@@ -101,21 +101,14 @@ class TpuPlatform(Platform):
     def attention_backend_class(
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
-        if requested is None:
-            return PallasTpuAttentionBackend if self.on_tpu else TpuAttentionBackend
-        if requested == TpuAttentionBackend.name:
-            return TpuAttentionBackend
-        if requested == PallasTpuAttentionBackend.name:
-            if not self.on_tpu:
-                raise ValueError(
-                    f"attention backend {requested!r} runs Pallas kernels, which need a TPU; "
-                    f"XLA here runs on the CPU, so use {TpuAttentionBackend.name!r} (the default)"
-                )
-            return PallasTpuAttentionBackend
-        raise ValueError(
-            f"attention backend {requested!r} is not built into platform 'tpu' (it has "
-            f"{PallasTpuAttentionBackend.name!r}, TPU only, and {TpuAttentionBackend.name!r}); "
-            f"a plugin can add one via core_attention_backends"
+        if requested == PallasTpuAttentionBackend.name and not self.on_tpu:
+            raise ValueError(
+                f"attention backend {requested!r} runs Pallas kernels, which need a TPU; "
+                f"XLA here runs on the CPU, so use {TpuAttentionBackend.name!r} (the default)"
+            )
+        default = PallasTpuAttentionBackend if self.on_tpu else TpuAttentionBackend
+        return builtin_backend(
+            self.name, requested, default, PallasTpuAttentionBackend, TpuAttentionBackend
         )
 
     def kv_cache_budget(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.platform import Capability, Platform, ProbeResult
+from core.platform import Capability, Platform, ProbeResult, builtin_backend
 from platforms.cpu.platform import DEFAULT_KV_CACHE_BYTES, _available_memory
 from platforms.xpu.attention import XpuAttentionBackend
 
@@ -91,12 +91,7 @@ class XpuPlatform(Platform):
     def attention_backend_class(
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
-        if requested not in (None, XpuAttentionBackend.name):
-            raise ValueError(
-                f"attention backend {requested!r} is not built into platform 'xpu' (it has "
-                f"{XpuAttentionBackend.name!r}); a plugin can add one via core_attention_backends"
-            )
-        return XpuAttentionBackend
+        return builtin_backend(self.name, requested, XpuAttentionBackend)
 
     def kv_cache_budget(
         self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
