@@ -35,6 +35,23 @@ class Executor(ABC):
         """Stop workers and free resources. Default: nothing to stop."""
 
 
+def plan_kv(runner: ModelRunner, used_bytes: int) -> KVPlan:
+    """The KV-cache plan for the platform's budget once ``used_bytes`` (weights, or the
+    profiled peak with activations) are taken."""
+    cfg = runner.config
+    budget = runner.platform.kv_cache_budget(
+        cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, used_bytes
+    )
+    return plan_kv_cache(
+        budget_bytes=budget,
+        bytes_per_block=runner.kv_bytes_per_block(),
+        block_size=cfg.cache.block_size,
+        max_model_len=cfg.model.max_model_len,
+        swap_bytes=int(cfg.cache.swap_space * GiB),
+        num_blocks_override=cfg.cache.num_blocks_override,
+    )
+
+
 def initialize_runner(runner: ModelRunner) -> KVPlan:
     """Load weights, profile the largest step's memory, size the KV cache from the
     platform's budget, allocate it."""
@@ -47,17 +64,7 @@ def initialize_runner(runner: ModelRunner) -> KVPlan:
             "memory profile: weights %.1f MiB, peak with activations of the largest step "
             "%.1f MiB", weights / (1 << 20), peak / (1 << 20),
         )
-    budget = runner.platform.kv_cache_budget(
-        cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, max(weights, peak or 0)
-    )
-    plan = plan_kv_cache(
-        budget_bytes=budget,
-        bytes_per_block=runner.kv_bytes_per_block(),
-        block_size=cfg.cache.block_size,
-        max_model_len=cfg.model.max_model_len,
-        swap_bytes=int(cfg.cache.swap_space * GiB),
-        num_blocks_override=cfg.cache.num_blocks_override,
-    )
+    plan = plan_kv(runner, max(weights, peak or 0))
     runner.allocate_kv_cache(plan.num_blocks, plan.num_host_blocks)
     logger.info("weights: %.1f MiB; %s", weights / (1 << 20), plan.describe())
     return plan

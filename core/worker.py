@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import GiB
 from core.distributed import TorchDistributed, destroy_torch_distributed, init_torch_distributed
-from core.kv_plan import KVPlan, plan_kv_cache
+from core.executor import plan_kv
+from core.kv_plan import KVPlan
 from core.model_runner import ModelRunner, ModelRunnerOutput, RunnerSetup
 from core.scheduler import SchedulerOutput
 
@@ -80,19 +80,8 @@ def plan_and_allocate(runner: ModelRunner, comm: TorchDistributed) -> KVPlan:
     """Like :func:`core.executor.initialize_runner`, with one collective between planning
     and allocating: every rank must hold the same number of blocks (the scheduler hands
     out block ids for all of them), so all take the minimum."""
-    cfg = runner.config
     weights = runner.load_model()
-    budget = runner.platform.kv_cache_budget(
-        cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, weights
-    )
-    plan = plan_kv_cache(
-        budget_bytes=budget,
-        bytes_per_block=runner.kv_bytes_per_block(),
-        block_size=cfg.cache.block_size,
-        max_model_len=cfg.model.max_model_len,
-        swap_bytes=int(cfg.cache.swap_space * GiB),
-        num_blocks_override=cfg.cache.num_blocks_override,
-    )
+    plan = plan_kv(runner, weights)
     # The model's own collectives run on runner.device, so the backend reduces there.
     blocks, host_blocks = comm.min_ints([plan.num_blocks, plan.num_host_blocks], runner.device)
     plan = dataclasses.replace(plan, num_blocks=blocks, num_host_blocks=host_blocks)
