@@ -13,12 +13,21 @@ START=$(date +%s)
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 CORE_LOG_LEVEL=INFO
 
+# The server's Python dependencies (FastAPI, uvicorn, pydantic, pyzmq, msgspec, openai...) are not
+# on the H200's image and it has no internet: they travel as wheels in .whl/ (carry it), made
+# here with docs/benchmarks/cuda_wheels.sh.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  SITE=/tmp/site
+fi
+
 # The platforms' entry points without installing the package: a dist-info on the path.
 EP=/tmp/core-entry-points/core-0.0.0.dist-info
 mkdir -p $EP
 printf 'Metadata-Version: 2.1\nName: core\nVersion: 0.0.0\n' >$EP/METADATA
 printf '[core.platforms]\ncpu = platforms.cpu\ncuda = platforms.cuda\n' >$EP/entry_points.txt
-export PYTHONPATH=$PWD:$(dirname $EP)
+export PYTHONPATH=$PWD:$(dirname $EP)${SITE:+:$SITE}
 
 MODEL=/tmp/llama3-8b
 ENGINE="--model $MODEL --load-format dummy --dtype bfloat16 --platform cuda --max-model-len 2048"
@@ -60,6 +69,7 @@ run model_step 220 python3 -m core.benchmarks.model_step $ENGINE --kv-cache-memo
 run test_engine 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_engine_graphs.py
 run latency_eager 120 python3 -m core.entrypoints.cli bench latency $ENGINE --input-len 128 \
   --output-len 256 --num-iters 2 --enforce-eager --output-json "$RES/latency_eager.json"
+run serve 330 env ENGINE="$ENGINE" RES="$RES" bash docs/benchmarks/cuda_serve.sh
 # Variants (run only when named): greedy sampling; more concurrent sequences; step split.
 opt latency_greedy 150 python3 -m core.entrypoints.cli bench latency $ENGINE --input-len 128 \
   --output-len 256 --num-iters 3 --greedy --output-json "$RES/latency_greedy.json"
@@ -100,6 +110,13 @@ for name in ("thr_1024_128", "thr_1000_1000", "thr_1024_128_s512", "thr_1000_100
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, "
               f"{r['total_tokens_per_s']} tok/s, {r['elapsed_s']} s, startup {r['startup_s']} s, "
               f"split {r.get('step_split_s')}")
+for name in ("serve_r4", "serve_r16", "serve_r32", "serve_inf"):
+    r = load(name)
+    if r:
+        print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, "
+              f"TPOT p50 {r.get('tpot_ms', {}).get('p50')} ms p99 {r.get('tpot_ms', {}).get('p99')}, "
+              f"TTFT p50 {r.get('ttft_ms', {}).get('p50')} ms p99 {r.get('ttft_ms', {}).get('p99')}, "
+              f"failed {r['failed']}")
 for r in load("model_step") or []:
     print(r["variant"], "capture_all", r.get("capture_all_s"), "s;", "prefill", r["prefill"])
     for row in r["decode"]:
