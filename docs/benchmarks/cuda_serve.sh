@@ -13,7 +13,8 @@ python3 -m core.entrypoints.cli serve $ENGINE --port "$PORT" --max-num-batched-t
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 t0=$(date +%s)
-until curl -sf "$URL/health" >/dev/null 2>&1; do
+healthy() { python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$URL/health" 2>/dev/null; }
+until healthy; do
   if ! kill -0 $SERVER 2>/dev/null; then echo "server exited"; tail -n 30 "$RES/serve_server.log"; exit 1; fi
   if [ $(($(date +%s) - t0)) -gt 180 ]; then echo "server not ready after 180 s"; exit 1; fi
   sleep 0.5
