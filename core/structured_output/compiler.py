@@ -88,14 +88,16 @@ class GrammarCompiler:
             self._cache[spec] = fut
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        fut.add_done_callback(lambda f: f.exception() and self._forget(spec, f))
+        fut.add_done_callback(lambda f: self._forget_failed(spec, f))
         return fut
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """:meth:`submit` and wait (tests, the offline ``LLM``)."""
         return self.submit(spec).result()
 
-    def _forget(self, spec: GrammarSpec, fut: Future) -> None:
+    def _forget_failed(self, spec: GrammarSpec, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            return
         with self._lock:
             if self._cache.get(spec) is fut:
                 del self._cache[spec]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -229,6 +230,11 @@ def test_bad_specs_name_the_field_and_the_library_message(tiny, kind, spec, patt
     fut = compiler.submit(GrammarSpec.of(kind, spec, field=field))
     with pytest.raises(GrammarError, match="(?s)" + pattern):  # library messages span lines
         fut.result()
+    # a failure is not cached (the done-callback that forgets it may run just after result())
+    deadline = time.monotonic() + 30
+    while compiler.submit(GrammarSpec.of(kind, spec, field=field)) is fut:
+        assert time.monotonic() < deadline, "failed compile still cached"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(
