@@ -18,6 +18,7 @@ from core.structured_output import (
     GrammarSpec,
     allocate_bitmask,
     apply_bitmask,
+    apply_bitmask_compiled,
     apply_bitmask_host,
     fill_bitmasks,
 )
@@ -28,7 +29,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
 @pytest.mark.parametrize("batch,vocab,dtype", [(1, 128256, torch.float32), (64, 151936, torch.bfloat16), (33, 49152, torch.float16)])
 def test_device_mask_matches_cpu(apply, batch, vocab, dtype):
     gen = torch.Generator().manual_seed(batch)

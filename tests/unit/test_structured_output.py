@@ -27,6 +27,7 @@ from core.structured_output import (
     GrammarSpec,
     allocate_bitmask,
     apply_bitmask,
+    apply_bitmask_compiled,
     apply_bitmask_host,
     close_objects,
     fill_bitmasks,
@@ -298,7 +299,7 @@ def _reference_mask(logits, bitmask, rows):
     return out
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
 @pytest.mark.parametrize("vocab,words", [(1003, 32), (64, 2), (100, 3)])
 def test_apply_bitmask_matches_reference(apply, vocab, words):
     gen = torch.Generator().manual_seed(vocab)
@@ -315,12 +316,14 @@ def test_apply_bitmask_matches_reference(apply, vocab, words):
     assert torch.equal(got, _reference_mask(logits, bitmask, list(range(batch))))
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
 def test_apply_bitmask_refuses_mismatched_rows(apply):
     with pytest.raises(ValueError, match=r"bitmask has 2 rows for 3 logits rows"):
         apply(torch.zeros(3, 64), torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"bitmask has 2 rows for 1 logits rows"):
         apply(torch.zeros(3, 64), torch.zeros(2, 2, dtype=torch.int32), rows=[0])
+    with pytest.raises(ValueError, match=r"bitmask must be a 2-D int32 tensor, got torch.int64"):
+        apply(torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.int64))
 
 
 def test_fill_bitmask_checks_the_buffer(tiny):
