@@ -133,7 +133,7 @@ class CallEmitter:
                 return ""
             return _decode(text[scan.args_start : scan.args_end])
         end = scan.args_end if scan.args_end is not None else scan.pos
-        piece = text[scan.args_start : end][self.sent_args:]
+        piece = text[scan.args_start + self.sent_args : end]
         self.sent_args += len(piece)
         return piece
 
