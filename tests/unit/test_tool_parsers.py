@@ -12,6 +12,8 @@ import json
 import jsonschema
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -280,3 +282,58 @@ def test_forced_outputs_parse_into_valid_calls(seed):
 def test_forced_choice_none_for_auto():
     assert forced_tool_parser("auto") is None
     assert forced_tool_parser(None) is None
+
+
+# ---- property: any arguments, any split ------------------------------------------------------------
+
+
+_TAGS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>")
+_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12).filter(
+    lambda s: not any(t in s for t in _TAGS)
+)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
+    max_leaves=8,
+)
+_args = st.dictionaries(_text, _json, max_size=4)
+_names = st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True)
+
+
+def _render(fmt: str, content: str, calls: list[tuple[str, str]]) -> str:
+    if fmt == "hermes":
+        blocks = "".join(f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments": {a}}}\n</tool_call>\n' for n, a in calls)
+        return content + "\n" + blocks
+    if fmt == "llama3_json":
+        return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {a}}}' for n, a in calls)
+    if fmt == "mistral_v11":
+        return content + "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in calls)
+    items = ", ".join(f'{{"name": {json.dumps(n)}, "arguments": {a}}}' for n, a in calls)
+    return content + f"[TOOL_CALLS][{items}]"
+
+
+_PARSER = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+           "mistral_v11": MistralToolParser, "mistral_v3": MistralToolParser}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fmt=st.sampled_from(sorted(_PARSER)),
+    content=_text,
+    calls=st.lists(st.tuples(_names, _args), min_size=1, max_size=3),
+    ensure_ascii=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6),
+)
+def test_any_arguments_any_split(fmt, content, calls, ensure_ascii, cuts):
+    calls = [(n, json.dumps(a, ensure_ascii=ensure_ascii)) for n, a in calls]
+    if fmt == "llama3_json":
+        content = ""  # a Llama output is either calls or content
+    text = _render(fmt, content, calls)
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    want = (content.strip() or None, expected(calls))
+    assert stream(_PARSER[fmt], pieces) == want
+    got_content, got_calls = _PARSER[fmt](counter_ids()).extract(text)
+    assert (got_content, [(c.id, c.function.name, c.function.arguments) for c in got_calls]) == want
+    for (_, args), call in zip(calls, got_calls):
+        assert json.loads(call.function.arguments) == json.loads(args)
