@@ -33,6 +33,7 @@ from core.structured_output import (
     fill_bitmasks,
     unpack_bitmask,
 )
+from core.structured_output.request import spec_from_request
 from tests.helpers import build_tokenizer
 from tests.unit.structured_schemas import SCHEMAS
 
@@ -335,3 +336,56 @@ def test_fill_bitmask_checks_the_buffer(tiny):
         m.fill_bitmask(torch.zeros(1, 17, dtype=torch.int64), 0)
     with pytest.raises(IndexError, match=r"row 1 out of range for 1 rows"):
         m.fill_bitmask(allocate_bitmask(1, compiler.vocab_size), 1)
+
+
+# ---- request fields -> spec ------------------------------------------------------------------------
+
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}]
+
+
+@pytest.mark.parametrize(
+    "fields,want",
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("json_object", "", True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _SCHEMA, "strict": True}}},
+         ("json_schema", json.dumps(_SCHEMA), True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _SCHEMA}}},
+         ("json_schema", json.dumps(_SCHEMA), False)),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+", True)),
+        ({"structured_outputs": {"choice": ["a", "b"], "json_object": False}}, ("choice", '["a", "b"]', True)),
+        ({"structured_outputs": {"json": json.dumps(_SCHEMA)}}, ("json_schema", json.dumps(_SCHEMA), True)),
+        ({"structured_outputs": {"json_object": True}}, ("json_object", "", True)),
+        ({"guided_grammar": 'root ::= "x"', "guided_decoding_backend": "auto"}, ("grammar", 'root ::= "x"', True)),
+        ({"guided_json": _SCHEMA}, ("json_schema", json.dumps(_SCHEMA), True)),
+        ({"tools": _TOOLS, "tool_choice": "auto"}, None),
+        ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         ("json_schema", json.dumps(_SCHEMA), False)),
+    ],
+)
+def test_request_fields_map_to_one_spec(fields, want):
+    spec = spec_from_request(fields)
+    assert (spec if spec is None else (spec.kind, spec.text, spec.strict)) == want
+
+
+@pytest.mark.parametrize(
+    "fields,pattern",
+    [
+        ({"response_format": {"type": "json_object"}, "guided_regex": "x"}, r"response_format and guided_regex both constrain"),
+        ({"structured_outputs": {"regex": "x"}, "tools": _TOOLS, "tool_choice": "required"},
+         r"structured_outputs and tool_choice both constrain"),
+        ({"structured_outputs": {"regex": "x", "choice": ["a"]}}, r"structured_outputs sets \['choice', 'regex'\]; set exactly one"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, r"structured_outputs\.structural_tag is not supported"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, r"response_format\.json_schema\.schema is required"),
+        ({"response_format": {"type": "yaml"}}, r"response_format\.type 'yaml' is not one of"),
+        ({"guided_decoding_backend": "outlines", "guided_regex": "x"}, r"guided_decoding_backend 'outlines' is not available"),
+        ({"guided_whitespace_pattern": " ", "guided_json": _SCHEMA}, r"guided_whitespace_pattern is not supported"),
+        ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, r"'g', which is not in tools"),
+        ({"guided_choice": []}, r"guided_choice: choice must be a non-empty list"),
+    ],
+)
+def test_request_field_errors_name_the_fields(fields, pattern):
+    with pytest.raises(GrammarError, match=pattern):
+        spec_from_request(fields)
