@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.entrypoints.openai.reasoning import (
     ReasoningParser,
@@ -72,3 +74,26 @@ def test_unknown_parser_names_the_choices():
 def test_custom_tags():
     parser = ReasoningParser(starts_in_reasoning=False, start="<reasoning>", end="</reasoning>")
     assert extract_reasoning("<reasoning>r</reasoning>c", parser) == ("r", "c")
+
+
+_piece = st.text(st.sampled_from("ab <>/thinkTHINK\n"), max_size=10).filter(lambda s: "<think>" not in s and "</think>" not in s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(["qwen3", "deepseek_r1"]),
+    before=_piece, reasoning=_piece, after=_piece, opened=st.booleans(), closed=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=5),
+)
+def test_any_text_any_split(name, before, reasoning, after, opened, closed, cuts):
+    """Build an output from parts, so the expected split is known without the parser."""
+    if name == "deepseek_r1":
+        text = ("<think>" if opened else "") + reasoning + ("</think>" + after if closed else "")
+        want = (reasoning or None, (after or None) if closed else None)
+    else:
+        text = before + ("<think>" + reasoning + ("</think>" + after if closed else "") if opened else "")
+        want = ((reasoning or None) if opened else None, (before + (after if opened and closed else "")) or None)
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    assert _stream(name, "", pieces) == want
+    assert extract_reasoning(text, make_reasoning_parser(name)) == want
