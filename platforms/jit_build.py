@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +86,9 @@ class JitSpec:
     namespace: str = ""
     """torch.ops namespace the library registers; with ``ops``, checked before it is cached."""
     ops: tuple[str, ...] = field(default=())
+    prepare: Callable[[Path], tuple[str, ...]] | None = field(default=None, compare=False)
+    """Run in the parent on the attempt's copy of the sources before the compile (ROCm:
+    hipify it in place); returns the translation units to compile instead of ``units``."""
 
 
 def key(spec: JitSpec) -> str:
@@ -141,7 +144,8 @@ def build(spec: JitSpec, wait_s: float = LOCK_WAIT_S) -> Path:
         attempt = folder / f"build-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             _copy_sources(spec, attempt / "src")
-            _run_builder(spec, attempt)
+            units = spec.prepare(attempt / "src") if spec.prepare else spec.units
+            _run_builder(spec, units, attempt)
             os.replace(attempt / f"{spec.name}.so", lib)
         finally:
             shutil.rmtree(attempt, ignore_errors=True)
@@ -252,18 +256,18 @@ def _builder_env() -> dict[str, str]:
     return env
 
 
-def _progress(spec: JitSpec, attempt: Path, started: float) -> str:
+def _progress(units: tuple[str, ...], attempt: Path, started: float) -> str:
     done = len(list(attempt.glob("*.o")))
-    return f"{done}/{len(spec.units)} compiled, {time.monotonic() - started:.0f} s"
+    return f"{done}/{len(units)} compiled, {time.monotonic() - started:.0f} s"
 
 
-def _run_builder(spec: JitSpec, attempt: Path) -> None:
+def _run_builder(spec: JitSpec, units: tuple[str, ...], attempt: Path) -> None:
     """Compile in a child process group; kill the whole group if anything interrupts us."""
     log_path = attempt / "build.log"
-    payload = json.dumps({k: getattr(spec, k) for k in (
-        "name", "units", "cflags", "cuda_cflags", "ldflags", "namespace", "ops")})
+    payload = json.dumps({"units": units, **{k: getattr(spec, k) for k in (
+        "name", "cflags", "cuda_cflags", "ldflags", "namespace", "ops")}})
     logger.info("building the %s for this machine: %d sources, once per machine and source "
-                "version (1-3 min on 2 cores), in %s", spec.label, len(spec.units), attempt)
+                "version (1-3 min on 2 cores), in %s", spec.label, len(units), attempt)
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -281,7 +285,7 @@ def _run_builder(spec: JitSpec, attempt: Path) -> None:
                 if time.monotonic() - started > BUILD_LIMIT_S:
                     raise RuntimeError(f"the {spec.label} build ran over {BUILD_LIMIT_S:.0f} s; "
                                        f"stopped it (log: {log_path})") from None
-                logger.info("building the %s: %s", spec.label, _progress(spec, attempt, started))
+                logger.info("building the %s: %s", spec.label, _progress(units, attempt, started))
     except BaseException:  # SystemExit from SIGTERM, Ctrl-C, the limit: no orphan compiler
         _kill_group(proc)
         raise
