@@ -277,15 +277,7 @@ def _run_builder(spec: JitSpec, units: tuple[str, ...], attempt: Path) -> None:
             start_new_session=True,
         )
     try:
-        while True:
-            try:
-                rc = proc.wait(timeout=PROGRESS_EVERY_S)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() - started > BUILD_LIMIT_S:
-                    raise RuntimeError(f"the {spec.label} build ran over {BUILD_LIMIT_S:.0f} s; "
-                                       f"stopped it (log: {log_path})") from None
-                logger.info("building the %s: %s", spec.label, _progress(units, attempt, started))
+        rc = _watch(proc, spec.label, units, attempt, started)
     except BaseException:  # SystemExit from SIGTERM, Ctrl-C, the limit: no orphan compiler
         _kill_group(proc)
         raise
@@ -293,6 +285,32 @@ def _run_builder(spec: JitSpec, units: tuple[str, ...], attempt: Path) -> None:
         tail = log_path.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"the {spec.label} build failed (exit {rc}):\n{tail}")
     logger.info("built the %s in %.0f s", spec.label, time.monotonic() - started)
+
+
+def _watch(proc: subprocess.Popen, label: str, units: tuple[str, ...], attempt: Path,
+           started: float) -> int:
+    """Wait for the builder, showing progress: a tqdm bar of compiled files on a terminal, a
+    log line every PROGRESS_EVERY_S otherwise (server logs, CI, the tests that follow them)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(units), desc=f"building the {label}", unit="file",
+               disable=not sys.stderr.isatty())
+    last_log = time.monotonic()
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=1.0 if not bar.disable else PROGRESS_EVERY_S)
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() - started > BUILD_LIMIT_S:
+                raise RuntimeError(f"the {label} build ran over {BUILD_LIMIT_S:.0f} s; stopped "
+                                   f"it (log: {attempt / 'build.log'})")
+            bar.update(len(list(attempt.glob("*.o"))) - bar.n)
+            if bar.disable and time.monotonic() - last_log >= PROGRESS_EVERY_S - 0.5:
+                logger.info("building the %s: %s", label, _progress(units, attempt, started))
+                last_log = time.monotonic()
+    finally:
+        bar.close()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
