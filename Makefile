@@ -8,7 +8,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
-PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
+# --durations=25: every CI log says which tests took the time (a slow machine or a slow test).
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider --durations=25
 
 .PHONY: setup run test lint compile-check test-py test-platform-envs test-install sysdeps clean
 
@@ -52,17 +53,22 @@ test-platform-envs:
 	bash tests/envs/tpu.sh $(CURDIR)/.venv-tpu
 
 # docker/install.sh is the recipe every image uses: run it for cpu in a fresh venv, check that
-# the installed package builds its CPU kernels from the sources it ships, then generate with a
-# tiny random model through the installed `core` command.
+# the installed package loads its CPU kernels from the sources it ships, then generate with a
+# tiny random model through the installed `core` command. Within `make test` the kernels were
+# built by test-py already (same sources, torch and CPU: one cache key), so this stage must
+# find them cached: KERNELS_CACHED=1 makes a rebuild here an error.
 test-install: setup
 	rm -rf .venv-install /tmp/core-install-model
 	bash docker/install.sh cpu --venv $(CURDIR)/.venv-install --no-model
 	$(BIN)/python -c "from pathlib import Path; from tests.helpers import tiny_llama_dir; print(tiny_llama_dir(Path('/tmp/core-install-model')))"
 	cd /tmp && $(CURDIR)/.venv-install/bin/python -c "import platforms.cpu.kernels as k; \
-	  assert str(k.CSRC_DIR).endswith('site-packages/platforms/cpu/csrc'), k.CSRC_DIR; k.load_kernels(); \
-	  print('CPU kernels built from the installed sources in', k.CSRC_DIR)"
+	  assert str(k.CSRC_DIR).endswith('site-packages/platforms/cpu/csrc'), k.CSRC_DIR; \
+	  cached = k.jit_build.cached(k.jit_spec()); \
+	  assert cached or not '$(KERNELS_CACHED)', 'the CPU kernels would be rebuilt: no cached build at ' + str(k.jit_build.cache_dir(k.jit_spec())); \
+	  k.load_kernels(); print('CPU kernels', 'reused from' if cached else 'built in', k.jit_build.cache_dir(k.jit_spec()))"
 	.venv-install/bin/core generate --model /tmp/core-install-model/tiny-llama --max-tokens 8 --no-chat-template "Hello"
 
+test: KERNELS_CACHED := 1
 test: lint compile-check test-py test-platform-envs test-install
 	@echo "make test: all stages passed"
 

@@ -1,10 +1,12 @@
 """Build hook: compile csrc/ into ``platforms.cuda._C`` when CUDA can be built here.
 
 All package metadata lives in pyproject.toml; this file only adds the optional extension, and
-copies the CPU kernels' sources (csrc/cpu) into the wheel for the CPU platform's JIT build.
-It is built when torch is importable at build time, torch is a CUDA build and a CUDA
-toolkit (nvcc) is found; otherwise the pure-Python package is built and the CUDA platform
-JIT-builds the kernels from a source checkout, or reports why it cannot.
+copies the kernel sources into the wheel (csrc/cpu for the CPU platform's JIT build, the rest
+of csrc/ for the CUDA platform's). The extension is built when torch is importable at build
+time, torch is a CUDA build and a CUDA toolkit (nvcc) is found; otherwise the pure-Python
+package is built (``pip install core[cuda]`` from PyPI is this case) and the CUDA platform
+JIT-builds the shipped sources with nvcc on first use, or, without nvcc, reports why it
+cannot and is not offered.
 
 With a ROCm build of torch (``torch.version.hip`` set) and hipcc, the same sources are
 hipified into build/hip/csrc (csrc/ itself is never written) and compiled with the HIP
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 sys.path.insert(0, str(ROOT))  # platforms.gpu_sources (standard library only) lists the kernels
 
-from platforms.gpu_sources import kernel_sources  # noqa: E402
+from platforms.gpu_sources import kernel_sources, source_files  # noqa: E402
 
 
 def _skip(reason: str) -> tuple[list, dict]:
@@ -108,31 +110,39 @@ def rocm_extension() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension}
 
 
-# ---- the CPU kernels' sources, shipped in the wheel -----------------------------------------
-# The CPU platform JIT-builds csrc/cpu for the CPU it runs on (-march=native), so a wheel must
-# carry the sources, not a binary: build_py copies them to platforms/cpu/csrc/ in the build.
+# ---- the kernel sources, shipped in the wheel --------------------------------------------------
+# The CPU platform JIT-builds csrc/cpu for the CPU it runs on (-march=native), and the CUDA
+# platform JIT-builds csrc/ on first use when no extension was compiled here, so a wheel
+# carries both sets of sources: build_py copies csrc/cpu to platforms/cpu/csrc/ and the rest
+# of csrc/ (.cu .cuh .h .cpp) to platforms/csrc/, where kernels.py and gpu_sources.py look.
 
 
-def cpu_sources_build_py():
+def _shipped_sources() -> list[tuple[Path, Path]]:
+    """(source file, path inside the package tree) for every kernel source the wheel carries."""
+    cpu = [p for p in sorted((CSRC / "cpu").glob("*")) if p.suffix in (".cpp", ".h")]
+    if not cpu or not kernel_sources(CSRC):
+        raise RuntimeError(
+            f"setup.py: kernel sources missing under {CSRC} (CPU: {len(cpu)} files, GPU: "
+            f"{len(kernel_sources(CSRC))} units); build from a checkout or an sdist that "
+            "includes csrc/ (MANIFEST.in)"
+        )
+    pairs = [(p, Path("platforms", "cpu", "csrc", p.name)) for p in cpu]
+    return pairs + [(p, Path("platforms", "csrc", p.relative_to(CSRC))) for p in source_files(CSRC)]
+
+
+def kernel_sources_build_py():
     from setuptools.command.build_py import build_py
 
-    class BuildPyWithCpuSources(build_py):
+    class BuildPyWithKernelSources(build_py):
         def run(self) -> None:
             super().run()
-            dest = Path(self.build_lib) / "platforms" / "cpu" / "csrc"
-            dest.mkdir(parents=True, exist_ok=True)
-            sources = [p for p in sorted((CSRC / "cpu").glob("*")) if p.suffix in (".cpp", ".h")]
-            if not sources:
-                raise RuntimeError(
-                    f"setup.py: no CPU kernel sources in {CSRC / 'cpu'}; a wheel without them "
-                    "runs the CPU platform on plain torch. Build from a checkout or an sdist "
-                    "that includes csrc/ (MANIFEST.in)"
-                )
-            for src in sources:
-                self.copy_file(str(src), str(dest / src.name))
+            for src, rel in _shipped_sources():
+                dest = Path(self.build_lib) / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.copy_file(str(src), str(dest))
 
-    return BuildPyWithCpuSources
+    return BuildPyWithKernelSources
 
 
 ext_modules, cmdclass = rocm_extension() if _torch_is_rocm() else cuda_extension()
-setup(ext_modules=ext_modules, cmdclass={**cmdclass, "build_py": cpu_sources_build_py()})
+setup(ext_modules=ext_modules, cmdclass={**cmdclass, "build_py": kernel_sources_build_py()})

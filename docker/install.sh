@@ -117,7 +117,8 @@ fi
 # `pip install` below runs without build isolation so that setup.py sees the installed torch
 # (and its CUDA/ROCm build) when it decides whether to compile csrc/.
 build_tools=("$SETUPTOOLS_PIN" "$WHEEL_PIN")
-case "$PLATFORM" in cuda|rocm) build_tools+=("$NINJA_PIN") ;; esac
+# ninja drives the JIT kernel builds (CPU on first use; CUDA/ROCm at install or first use).
+case "$PLATFORM" in cpu|cuda|rocm) build_tools+=("$NINJA_PIN") ;; esac
 log "[1/5] build tools: ${build_tools[*]}"
 pip_q install "${build_tools[@]}"
 

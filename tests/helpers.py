@@ -8,12 +8,16 @@
   :class:`~core.attention.AttentionMetadata` by hand.
 * :func:`run_ranks` runs one function per tensor-parallel rank in threads joined by
   :class:`ThreadComm`, a real (in-process) all-reduce / all-gather.
+* :func:`wait_for_server` waits for a server subprocess to answer ``/health``, for as long as
+  its log shows start-up advancing (a kernel build, a model load), not a fixed clock.
 """
 
 from __future__ import annotations
 
 import random
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -329,3 +333,54 @@ def run_ranks(world_size: int, fn: Callable[[Communicator], Any]) -> list[Any]:
         errors.sort(key=lambda e: isinstance(e, threading.BrokenBarrierError))
         raise errors[0]
     return results
+
+
+# ---- servers under test ----------------------------------------------------------------------
+
+SERVER_STALL_S = 300.0
+"""A starting server whose log has not grown for this long is stuck. The kernel build logs
+every 15 s (platforms/jit_build.py); the longest silent step, importing torch and loading a
+model on a busy 2-core machine, takes well under a minute."""
+SERVER_BOUND_S = 2400.0
+"""The overall bound: a first-run kernel build under heavy load plus the model load."""
+
+
+def wait_for_server(proc: subprocess.Popen, url: str, log: Path, stall_s: float = SERVER_STALL_S,
+                    bound_s: float = SERVER_BOUND_S, poll_s: float = 0.25) -> float:
+    """Wait until ``GET {url}/health`` answers 200; return the seconds it took.
+
+    Keeps waiting while ``log`` (the server's stdout and stderr) grows, so a server busy
+    building kernels or loading a model on a loaded machine is given the time it needs; fails
+    (killing the server, showing its log) when it exits, when its log stalls for ``stall_s``,
+    or after ``bound_s`` in all.
+    """
+    import httpx
+    import pytest
+
+    start = last_growth = time.monotonic()
+    size = -1
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        now = time.monotonic()
+        new_size = log.stat().st_size if log.exists() else 0
+        if new_size != size:
+            size, last_growth = new_size, now
+        why = (f"its log stalled for {stall_s:.0f} s" if now - last_growth > stall_s
+               else f"not ready after {bound_s:.0f} s" if now - start > bound_s else None)
+        if why:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"server not ready: {why} (started {now - start:.0f} s ago):\n{_tail(log)}")
+        time.sleep(poll_s)
+
+
+def _tail(log: Path, n: int = 60) -> str:
+    if not log.exists():
+        return "(no log)"
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])

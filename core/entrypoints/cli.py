@@ -172,6 +172,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from core.entrypoints.signals import exit_on_sigterm
+
+    exit_on_sigterm()  # first: a SIGTERM during start-up (kernel build, model load) unwinds
     env = envs.read()
     logging.basicConfig(level=env.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)

@@ -1,11 +1,13 @@
 """Loading the ``core_C`` CUDA kernels: the prebuilt extension if installed, else a JIT build.
 
 ``pip install --no-build-isolation .[cuda]`` on a machine with a CUDA toolkit and a CUDA torch
-compiles ``csrc/`` into ``platforms.cuda._C`` (see setup.py). Without it, running from a
-source checkout builds the same sources once with :func:`torch.utils.cpp_extension.load`
-into torch's extension cache (``~/.cache/torch_extensions/<python>_<cuda>/core_C``), which
-is reused until a source file or flag changes. Either way the ops appear as
-``torch.ops.core_C.*``; nothing here runs at import time.
+compiles ``csrc/`` into ``platforms.cuda._C`` (see setup.py). Without it — a plain
+``pip install core[cuda]`` of the wheel, which carries the sources in ``platforms/csrc/``, or
+a source checkout — the first use builds the same sources once with nvcc through
+:mod:`platforms.jit_build` (keyed by the sources, flags, torch/CUDA version and GPU targets;
+safe to kill; ``~/.cache/torch_extensions/core_C/<key>/``). With neither a prebuilt extension
+nor nvcc, :func:`kernels_status` says so and the CUDA platform is not offered. Either way the
+ops appear as ``torch.ops.core_C.*``; nothing here runs at import time.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 import torch
 
-from platforms.gpu_sources import CSRC_DIR, kernel_sources
+from platforms import jit_build
+from platforms.gpu_sources import CSRC_DIR, kernel_sources, source_files
+from platforms.jit_build import JitSpec
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,8 @@ NVCC_FLAGS = ("-O3", "-lineinfo")
 """Target architectures come from torch (TORCH_CUDA_ARCH_LIST, else the visible GPUs),
 so a JIT build on an H200 compiles exactly sm_90 and nothing else."""
 CXX_FLAGS = ("-O3",)
+OPS = ("reshape_and_cache", "paged_decode", "copy_blocks", "swap_blocks")
+"""Checked in the builder before a JIT build is cached."""
 
 
 def find_nvcc() -> str | None:
@@ -65,7 +71,7 @@ def kernels_status() -> tuple[bool, str]:
             "no prebuilt core_C extension and no nvcc to JIT-build csrc/; install the CUDA "
             "toolkit (nvcc) or `pip install --no-build-isolation .[cuda]` where it is present"
         )
-    return True, f"JIT build of {CSRC_DIR} with {nvcc} (cached after the first run)"
+    return True, f"JIT build of {CSRC_DIR} with {nvcc} on first use (then cached)"
 
 
 @functools.cache
@@ -80,16 +86,33 @@ def load_ops() -> Any:
     ok, why = kernels_status()
     if not ok:
         raise RuntimeError(f"cannot load the CUDA kernels: {why}")
-    from torch.utils.cpp_extension import load
-
-    logger.info("JIT-building the CUDA kernels from %s (first run only; takes a minute)", CSRC_DIR)
-    load(
-        name=JIT_NAME,
-        sources=[str(p) for p in kernel_sources()],
-        extra_include_paths=[str(CSRC_DIR)],
-        extra_cflags=list(CXX_FLAGS),
-        extra_cuda_cflags=list(NVCC_FLAGS),
-        is_python_module=False,
-        verbose=logger.isEnabledFor(logging.DEBUG),
-    )
+    torch.ops.load_library(str(jit_build.build(jit_spec())))
     return torch.ops.core_C
+
+
+def _gpu_targets() -> str:
+    """The nvcc target flags torch's build will use (TORCH_CUDA_ARCH_LIST, else the visible
+    GPUs): part of the cache key, so a cache shared across GPU models rebuilds per target."""
+    from torch.utils import cpp_extension
+
+    try:
+        flags = cpp_extension._get_cuda_arch_flags()  # the very list the build passes to nvcc
+    except Exception:  # no GPU visible and no arch list: the build itself will say so
+        flags = []
+    return f"cuda {torch.version.cuda}; " + " ".join(sorted(flags))
+
+
+def jit_spec() -> JitSpec:
+    """The JIT build of csrc/ (the sources shipped in the wheel, or a checkout's)."""
+    return JitSpec(
+        name=JIT_NAME,
+        label="CUDA kernels",
+        src_dir=CSRC_DIR,
+        files=tuple(str(p.relative_to(CSRC_DIR)) for p in source_files()),
+        units=tuple(str(p.relative_to(CSRC_DIR)) for p in kernel_sources()),
+        cflags=CXX_FLAGS,
+        cuda_cflags=NVCC_FLAGS,
+        machine_key=_gpu_targets(),
+        namespace="core_C",
+        ops=OPS,
+    )

@@ -11,8 +11,9 @@ torch compiles ``platforms.rocm._C`` (see setup.py), or a source checkout JIT-bu
 sources once with :func:`torch.utils.cpp_extension.load`. Either way the ops appear as
 ``torch.ops.core_C.*``, the namespace the CUDA attention backend calls.
 
-This module imports nothing from the project (setup.py loads it by path, before the
-package is importable) and does nothing at import time.
+At import time this module needs only the standard library and two standard-library-only
+project modules (platforms.gpu_sources, platforms.jit_build): setup.py loads it by path,
+before the package is importable. It does nothing at import time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from platforms.gpu_sources import CSRC_DIR, kernel_sources
+from platforms import jit_build
+from platforms.gpu_sources import CSRC_DIR, kernel_sources, source_files
+from platforms.jit_build import JitSpec
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ JIT_NAME = "core_C_hip"
 HIPCC_FLAGS = ("-O3",)
 """Added to torch's own hipcc flags (-DUSE_ROCM=1, -D__HIP_NO_HALF_CONVERSIONS__=1, ...)."""
 CXX_FLAGS = ("-O3",)
+OPS = ("reshape_and_cache", "paged_decode", "copy_blocks", "swap_blocks")
+"""Checked in the builder before a JIT build is cached."""
 DEFAULT_OFFLOAD_ARCHS = ("gfx90a", "gfx942")
 """What setup.py compiles for when PYTORCH_ROCM_ARCH is unset: MI200 and MI300 (CDNA)."""
 WAVE64_ARCH_PREFIX = "gfx9"
@@ -155,17 +160,41 @@ def load_ops() -> Any:
     ok, why = kernels_status()
     if not ok:
         raise RuntimeError(f"cannot load the ROCm kernels: {why}")
-    from torch.utils.cpp_extension import get_default_build_root, load
-
-    stage = Path(get_default_build_root()) / f"{JIT_NAME}_src"
-    logger.info("JIT-building the HIP kernels from %s via %s (first run only)", CSRC_DIR, stage)
-    load(
-        name=JIT_NAME,
-        sources=[str(p) for p in hipify_sources(stage)],
-        extra_include_paths=[str(stage)],
-        extra_cflags=list(CXX_FLAGS),
-        extra_cuda_cflags=list(HIPCC_FLAGS),
-        is_python_module=False,
-        verbose=logger.isEnabledFor(logging.DEBUG),
-    )
+    torch.ops.load_library(str(jit_build.build(jit_spec())))
     return torch.ops.core_C
+
+
+def _hipify_in_place(src: Path) -> tuple[str, ...]:
+    """jit_build's ``prepare``: hipify the attempt's private copy of csrc/ where it lies."""
+    src = src.resolve()  # hipify reports resolved paths
+    return tuple(str(u.relative_to(src)) for u in hipify_sources(src, csrc=src))
+
+
+def _gpu_targets() -> str:
+    """The offload targets torch's build will use (PYTORCH_ROCM_ARCH, else the visible GPUs):
+    part of the cache key, so a cache shared across GPU models rebuilds per target."""
+    import torch
+    from torch.utils import cpp_extension
+
+    try:
+        flags = cpp_extension._get_rocm_arch_flags(list(HIPCC_FLAGS))  # what hipcc is given
+    except Exception:  # no GPU visible and no arch list: the build itself will say so
+        flags = []
+    return f"hip {torch.version.hip}; " + " ".join(sorted(flags))
+
+
+def jit_spec() -> JitSpec:
+    """The JIT build of csrc/, hipified in each attempt's own copy (never in csrc/)."""
+    return JitSpec(
+        name=JIT_NAME,
+        label="ROCm kernels",
+        src_dir=CSRC_DIR,
+        files=tuple(str(p.relative_to(CSRC_DIR)) for p in source_files()),
+        units=tuple(str(p.relative_to(CSRC_DIR)) for p in kernel_sources()),
+        cflags=CXX_FLAGS,
+        cuda_cflags=HIPCC_FLAGS,
+        machine_key=_gpu_targets(),
+        namespace="core_C",
+        ops=OPS,
+        prepare=_hipify_in_place,
+    )

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from core.sampling_params import SamplingParams
-from tests.helpers import tiny_llama_dir
+from tests.helpers import tiny_llama_dir, wait_for_server
 
 pytestmark = pytest.mark.slow
 
@@ -70,19 +70,9 @@ def _start(model_dir: Path, log: Path, *extra: str) -> Server:
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
 
-def _wait_ready(server: Server, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx2.get(server.url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx2.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.proc.kill()
-    pytest.fail(f"server not ready after {timeout}s:\n{server.log_tail()}")
+def _wait_ready(server: Server) -> None:
+    # Follows the server's log (kernel build, model load) rather than a fixed clock.
+    wait_for_server(server.proc, server.url, server.log)
 
 
 def _stop(server: Server) -> None:
