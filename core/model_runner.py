@@ -10,12 +10,12 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from core.config import EngineConfig
 from core.distributed import Communicator, SingleRank
+from core.input_batch import PersistentBatch, StepInputs
 from core.model_loader import load_model
 from core.models import ModelContext, ModelRegistry
 from core.ops import Ops
@@ -81,6 +81,16 @@ class ModelRunner:
         self.host_caches: list[torch.Tensor] = []
         self._backends: list[AttentionBackend] = []
         self.graphs: DecodeGraphRunner | None = None
+        caps = self.platform.capabilities
+        # Page-locked staging only pays where the device has memory of its own.
+        self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
+        self.batch = PersistentBatch(
+            max_rows=self.config.scheduler.max_num_seqs,
+            max_blocks=-(-self.config.model.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+            pin=self.pin_host,
+        )
 
     # ---- setup --------------------------------------------------------------------------
     def _make_attention(self, spec: AttentionSpec) -> AttentionBackend:
@@ -118,10 +128,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         """Allocate the caches, then (where the platform captures graphs, and not under
         ``enforce_eager``) set up decode-step graphs over them."""
-        pin = self.platform.device_type != "cpu"
         self.kv_caches = [b.allocate_kv_cache(num_blocks, self.device) for b in self._backends]
         self.host_caches = [
-            b.allocate_kv_cache(num_host_blocks, "cpu", pin_memory=pin)
+            b.allocate_kv_cache(num_host_blocks, "cpu", pin_memory=self.pin_host)
             for b in self._backends
             if num_host_blocks > 0
         ]
@@ -184,13 +193,14 @@ class ModelRunner:
         self._move_blocks(sched)
         if not sched.scheduled:
             return ModelRunnerOutput({}, {})
-        input_ids, positions, md = self.prepare_inputs(sched)
+        step = self._prepare(sched)
+        input_ids, positions, md = step.input_ids, step.positions, step.metadata
         if self.graphs is not None and self.graphs.can_run(md):
             hidden = self.graphs.run(input_ids, positions, md)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
         self.platform.step_boundary()
-        return self._sample(sched, hidden, md)
+        return self._sample(sched, hidden, step.rows)
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
         backend = self._backends[0] if self._backends else None
@@ -211,53 +221,15 @@ class ModelRunner:
     def prepare_inputs(
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the schedule into input ids, positions and attention metadata."""
-        seqs = sched.scheduled
-        bs = self.block_size
-        qlens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
-        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
-        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=qsl[1:])
-        input_ids = np.fromiter(
-            (t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(qsl[-1])
-        )
-        # position of every flat token = its sequence's start + offset within the chunk
-        seq_of_token = np.repeat(np.arange(len(seqs)), qlens)
-        positions = starts[seq_of_token] + (np.arange(int(qsl[-1])) - qsl[seq_of_token])
-        # Block tables, left-aligned and zero-padded, filled in one vectorised scatter (a
-        # per-row numpy assignment costs ~1 ms per step at 256 sequences).
-        nblocks = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-        tables = np.zeros((len(seqs), int(nblocks.max())), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < nblocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs),
-            dtype=np.int64, count=int(nblocks.sum()),
-        )
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        seq_lens = starts + qlens
+        """Input ids, positions and attention metadata of a step (see core.input_batch)."""
+        step = self._prepare(sched)
+        return step.input_ids, step.positions, step.metadata
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            # Asynchronous: the host does not wait for queued device work (the source is
-            # staged before the call returns, so the array may go away).
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        md = AttentionMetadata(
-            num_prefills=sched.num_prefills,
-            num_prefill_tokens=int(qsl[sched.num_prefills]),
-            num_decode_tokens=len(seqs) - sched.num_prefills,
-            slot_mapping=dev(slots),
-            seq_lens=dev(seq_lens.astype(np.int32)),
-            context_lens=dev(starts.astype(np.int32)),
-            query_start_loc=dev(qsl.astype(np.int32)),
-            block_tables=dev(tables.astype(np.int32)),
-            max_query_len=int(qlens.max()),
-            max_seq_len=int(seq_lens.max()),
-            seq_lens_host=tuple(seq_lens.tolist()),
-            context_lens_host=tuple(starts.tolist()),
-        )
-        return dev(input_ids), dev(positions), md
+    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+        return self.batch.prepare(sched.scheduled, sched.num_prefills, sched.preempted)
 
     def _sample(
-        self, sched: SchedulerOutput, hidden: torch.Tensor, md: AttentionMetadata
+        self, sched: SchedulerOutput, hidden: torch.Tensor, batch_rows: tuple[int, ...]
     ) -> ModelRunnerOutput:
         # Row offsets from the host-side schedule: reading md.query_start_loc back would
         # make the host wait for the whole forward before it can queue the LM head.
@@ -271,7 +243,10 @@ class ModelRunner:
         if self.setup.comm.rank != 0:
             return ModelRunnerOutput({}, {})
         scheduled = [sched.scheduled[i] for i in rows]
-        out = self.sampler(logits, scheduled)
+        drawn = self.sampler.draw(logits, scheduled)
+        # The next step's placeholder tokens read these without a host round trip.
+        self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
+        out = self.sampler.finish(scheduled, drawn)
         sampled = {
             s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
             for j, s in enumerate(scheduled)
