@@ -71,20 +71,6 @@ class SamplerOutput:
     with its rank (1 = most likely); otherwise None."""
 
 
-@dataclass(frozen=True)
-class Drawn:
-    """Tokens drawn for one step, on the device (see :meth:`Sampler.draw`)."""
-
-    logits: torch.Tensor
-    """The checked float32 logits the tokens were drawn from."""
-    token_ids: torch.Tensor
-    """[B] int64."""
-    logprobs: torch.Tensor
-    """[B] float32 raw logprobs of the tokens."""
-    lse: torch.Tensor
-    """[B] float32 logsumexp of each row's raw logits."""
-
-
 class _Scratch:
     """Buffers reused across calls, by role name.
 
@@ -225,33 +211,16 @@ class Sampler:
         :param vocab_size: the real vocabulary; columns beyond it (padding of the LM head)
             are never sampled. Default: all of ``logits``' columns.
         """
-        return self.finish(rows, self.draw(logits, rows, vocab_size))
-
-    def draw(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[ScheduledSequence],
-        vocab_size: int | None = None,
-    ) -> Drawn:
-        """The first half of ``__call__``: the tokens, still on the logits' device (no
-        read-back)."""
         logits = _check_logits(logits, len(rows), vocab_size)
         if not rows:
-            empty = torch.empty(0, dtype=torch.int64, device=logits.device)
-            return Drawn(logits, empty, empty.float(), empty.float())
-        tokens, logprobs, lse = self._sample(logits, rows)
-        return Drawn(logits, tokens, logprobs, lse)
-
-    def finish(self, rows: Sequence[ScheduledSequence], drawn: Drawn) -> SamplerOutput:
-        """The second half of ``__call__``: top logprobs and the one read-back."""
-        if not rows:
             return SamplerOutput([], [], [])
+        tokens, logprobs, lse = self._sample(logits, rows)
         ks = [r.params.logprobs for r in rows]
         tops = [None] * len(rows)
         if any(k is not None for k in ks):
-            tops = _top_logprobs(drawn.logits, drawn.lse, drawn.token_ids, ks, self._ws)
+            tops = _top_logprobs(logits, lse, tokens, ks, self._ws)
         # One read-back for both (token ids are exact in float64).
-        ids, lps = torch.stack((drawn.token_ids.double(), drawn.logprobs.double())).tolist()
+        ids, lps = torch.stack((tokens.double(), logprobs.double())).tolist()
         return SamplerOutput([int(t) for t in ids], lps, tops)
 
     def sample_tensors(
