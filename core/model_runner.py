@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention_sites import AttentionSite
 from core.config import EngineConfig
 from core.distributed import Communicator, SingleRank
 from core.input_batch import PersistentBatch, StepInputs
@@ -21,11 +22,16 @@ from core.models import ModelContext, ModelRegistry
 from core.ops import Ops
 from core.outputs import Logprob
 from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platform
-from core.sampler import Sampler, prompt_logprobs
+from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+MAX_MIXED_GRAPH_TOKENS = 512
+"""Steps with prefills of at most this many tokens may replay from graphs (where the
+platform's graph strategy replays them): above it a step is compute-bound and graphs gain
+little for the static buffers each token bucket keeps."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,15 +81,16 @@ class ModelRunner:
         self.device = setup.platform.device(setup.device_index)
         self.dtype = torch_dtype(self.config.model.dtype)
         self.block_size = self.config.cache.block_size
-        self.sampler = Sampler(eos_token_ids)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
         self._backends: list[AttentionBackend] = []
+        self._sites: list[AttentionSite] = []
         self.graphs: DecodeGraphRunner | None = None
         caps = self.platform.capabilities
         # Page-locked staging only pays where the device has memory of its own.
         self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
+        self.sampler = Sampler(eos_token_ids, staging=Staging(pinned=self.pin_host))
         self.batch = PersistentBatch(
             max_rows=self.config.scheduler.max_num_seqs,
             max_blocks=-(-self.config.model.max_model_len // self.block_size),
@@ -93,13 +100,27 @@ class ModelRunner:
         )
 
     # ---- setup --------------------------------------------------------------------------
-    def _make_attention(self, spec: AttentionSpec) -> AttentionBackend:
+    def _make_attention(self, spec: AttentionSpec) -> AttentionBackend | AttentionSite:
         cls = self.setup.attention_backend_cls or self.platform.attention_backend_class(
             spec, self.config.attention_backend
         )
         backend = cls(spec)
         self._backends.append(backend)
-        return backend
+        if not self._may_use_graphs():
+            return backend
+        # A seam a graph strategy can split its graphs at (steps with prefills).
+        site = AttentionSite(backend)
+        self._sites.append(site)
+        return site
+
+    def _may_use_graphs(self) -> bool:
+        # Collectives inside captured graphs are not part of the communicator contract, so
+        # tensor-parallel ranks run eagerly.
+        return (
+            not self.config.enforce_eager
+            and Capability.GRAPH_CAPTURE in self.platform.capabilities
+            and self.setup.comm.world_size == 1
+        )
 
     def load_model(self) -> int:
         """Load weights onto the device; returns the bytes the weights occupy."""
@@ -137,18 +158,15 @@ class ModelRunner:
         self.graphs = self._make_graph_runner()
 
     def _make_graph_runner(self) -> DecodeGraphRunner | None:
-        # Collectives inside captured graphs are not part of the communicator contract, so
-        # tensor-parallel ranks run eagerly.
-        if (
-            self.config.enforce_eager
-            or Capability.GRAPH_CAPTURE not in self.platform.capabilities
-            or self.setup.comm.world_size > 1
-        ):
+        if not self._may_use_graphs():
             return None
         spec = DecodeGraphSpec(
             max_batch_size=self.config.scheduler.max_num_seqs,
             max_model_len=self.config.model.max_model_len,
             block_size=self.block_size,
+            attention_sites=tuple(self._sites),
+            max_mixed_tokens=min(MAX_MIXED_GRAPH_TOKENS,
+                                 self.config.scheduler.max_num_batched_tokens),
         )
         return self.platform.decode_graph_runner(self.model, self.kv_caches, spec)
 
