@@ -142,7 +142,7 @@ class PersistentBatch:
         for s, row, new in zip(seqs, rows, fresh):
             bt, k = s.block_table, known[row]
             n = len(bt)
-            if n == k and not new and bt[-1] == last[row] and bt[0] == first[row]:
+            if not new and n == k and (not n or (bt[-1] == last[row] and bt[0] == first[row])):
                 continue  # the common decode step: nothing changed
             if k and (new or n < k or bt[0] != first[row] or bt[k - 1] != last[row]):
                 clear.append(row)  # replaced (copy-on-write, a shorter table): rewrite it

@@ -256,7 +256,7 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
         if not rows:
             return ModelRunnerOutput({}, prompt_lp)
-        last = torch.tensor([qsl[i + 1] - 1 for i in rows]).to(hidden.device, non_blocking=True)
+        last = self.sampler.staging([qsl[i + 1] - 1 for i in rows], torch.int64, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
             return ModelRunnerOutput({}, {})

@@ -18,7 +18,7 @@ import torch
 from core.attention import AttentionMetadata
 from core.engine import LLMEngine, resolve_config
 from core.engine_args import EngineArgs
-from core.platform import Capability
+from core.platform import Capability, DecodeGraphSpec
 from core.plugins import Plugins
 from core.sampling_params import SamplingParams
 from platforms.cpu.platform import CpuPlatform
@@ -152,7 +152,7 @@ def test_padded_decode_steps_give_the_eager_tokens(tiny_llama):
     assert _engine(path, _GraphCpuPlatform(), enforce_eager=True).executor.runner.graphs is None
 
 
-def test_prefill_steps_never_replay(tiny_llama):
+def test_prefill_steps_replay_only_piecewise(tiny_llama):
     platform = _GraphCpuPlatform()
     engine = _engine(tiny_llama(seed=5), platform)
     runner = engine.executor.runner
@@ -160,7 +160,13 @@ def test_prefill_steps_never_replay(tiny_llama):
         _decode_md([4, 9], 1, torch.Generator().manual_seed(1)), num_prefills=1,
         num_prefill_tokens=3, num_decode_tokens=1,
     )
-    assert not runner.graphs.can_run(md)
+    assert not runner.graphs.can_run(md)  # decode graphs alone (the sites were left out)
+    spec = DecodeGraphSpec(max_batch_size=6, max_model_len=128, block_size=16,
+                           attention_sites=tuple(runner._sites), max_mixed_tokens=32)
+    graphs = CudaDecodeGraphs(runner.model, runner.kv_caches, spec)
+    assert graphs.mixed.buckets == (16, 32)
+    assert graphs.can_run(md)
+    assert not graphs.can_run(dataclasses.replace(md, num_prefill_tokens=40))
 
 
 def test_token_buckets_for_steps_with_prefills():
