@@ -204,6 +204,9 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. A decode row whose token is ``core.input_batch.PLACEHOLDER_TOKEN``
+        (-1) is fed the token this runner sampled for it in the previous step, without a host
+        round trip (asynchronous scheduling); see :mod:`core.input_batch`."""
         with self.platform.inference_context():
             return self._execute(sched)
 
