@@ -17,7 +17,8 @@ Capture is lazy, per bucket, at the first step that needs it: that step runs eag
 (warm-up; its result is the step's answer), then the pieces are captured by running the model
 once more with every :class:`core.attention_sites.AttentionSite` split: the site ends the
 graph being captured, records its inputs and returns a static output buffer, and starts the
-next graph. Memory: the static query/key/value/output tensors of every layer stay allocated
+next graph. Should a capture fail, the step keeps its eager result, a warning names the
+error, and steps with prefills run eagerly from then on (``disabled``). Memory: the static query/key/value/output tensors of every layer stay allocated
 for each captured bucket, which is why ``max_tokens`` is small (a few hundred tokens: where a
 step is launch-bound rather than compute-bound, the only place graphs pay).
 """
@@ -105,13 +106,15 @@ class PiecewiseGraphs:
         self.capture_seconds = 0.0
         self.replays = 0
         """Steps served from captured pieces (tests and logs)."""
+        self.disabled: str | None = None
+        """Why capture failed (steps with prefills then run eagerly); None while it works."""
 
     @property
     def captured(self) -> tuple[int, ...]:
         return tuple(sorted(self._entries))
 
     def can_run(self, md: AttentionMetadata) -> bool:
-        return md.num_prefills > 0 and 0 < md.num_tokens <= self.buckets[-1]
+        return self.disabled is None and md.num_prefills > 0 and 0 < md.num_tokens <= self.buckets[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata):
         t = md.num_tokens
@@ -153,19 +156,22 @@ class PiecewiseGraphs:
                 self._begin()
                 pieces.output = self._model(self._ids[:rows], self._pos[:rows], self._caches, md)
                 pieces.graphs[-1].capture_end()
-        except BaseException:
+            if len(pieces.calls) != len(self._sites):
+                raise RuntimeError(
+                    f"piecewise capture saw {len(pieces.calls)} attention calls for "
+                    f"{len(self._sites)} layers; a model must call each layer's attention once"
+                )
+        except Exception as exc:  # noqa: BLE001 - the step's eager result stands
             self._abandon(pieces)
-            raise
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            logger.warning("piecewise graph capture of %d tokens failed, so steps with "
+                           "prefills run eagerly from now on: %s", rows, self.disabled)
+            return hidden
         finally:
             for site in self._sites:
                 site.split = None
             self._capturing = None
-        torch.cuda.current_stream().wait_stream(side)
-        if len(pieces.calls) != len(self._sites):
-            raise RuntimeError(
-                f"piecewise capture saw {len(pieces.calls)} attention calls for "
-                f"{len(self._sites)} layers; a model must call each layer's attention once"
-            )
+            torch.cuda.current_stream().wait_stream(side)
         self._entries[rows] = pieces
         took = time.perf_counter() - t0
         self.capture_seconds += took

@@ -45,6 +45,7 @@ def test_mixed_steps_from_graphs_give_the_hf_tokens(tiny_llama):
     mixed = llm.engine.executor.runner.graphs.mixed
     assert mixed is not None
     assert run(llm, prompts, max_new=20) == want
+    assert mixed.disabled is None, mixed.disabled
     assert mixed.captured and mixed.replays > 0, (mixed.captured, mixed.replays)
     # Again with every bucket captured: only replays now, the same tokens.
     replays = mixed.replays
@@ -83,6 +84,7 @@ def test_a_replayed_mixed_step_equals_the_eager_forward(tiny_llama, prompt_len, 
         assert runner.graphs.can_run(md)
         want = runner.model(ids, pos, runner.kv_caches, md).clone()
         first = runner.graphs.run(ids, pos, md).clone()  # the warm-up, then the capture
+        assert runner.graphs.mixed.disabled is None, runner.graphs.mixed.disabled
         assert runner.graphs.mixed.replays == 0
         replayed = runner.graphs.run(ids, pos, md).clone()
         assert runner.graphs.mixed.replays == 1
