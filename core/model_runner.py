@@ -10,22 +10,28 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention_sites import AttentionSite
 from core.config import EngineConfig
 from core.distributed import Communicator, SingleRank
+from core.input_batch import PersistentBatch, StepInputs
 from core.model_loader import load_model
 from core.models import ModelContext, ModelRegistry
 from core.ops import Ops
 from core.outputs import Logprob
 from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platform
-from core.sampler import Sampler, prompt_logprobs
+from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+MAX_MIXED_GRAPH_TOKENS = 512
+"""Steps with prefills of at most this many tokens may replay from graphs (where the
+platform's graph strategy replays them): above it a step is compute-bound and graphs gain
+little for the static buffers each token bucket keeps."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,21 +81,46 @@ class ModelRunner:
         self.device = setup.platform.device(setup.device_index)
         self.dtype = torch_dtype(self.config.model.dtype)
         self.block_size = self.config.cache.block_size
-        self.sampler = Sampler(eos_token_ids)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
         self._backends: list[AttentionBackend] = []
+        self._sites: list[AttentionSite] = []
         self.graphs: DecodeGraphRunner | None = None
+        caps = self.platform.capabilities
+        # Page-locked staging only pays where the device has memory of its own.
+        self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
+        self.sampler = Sampler(eos_token_ids, staging=Staging(pinned=self.pin_host))
+        self.batch = PersistentBatch(
+            max_rows=self.config.scheduler.max_num_seqs,
+            max_blocks=-(-self.config.model.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+            pin=self.pin_host,
+        )
 
     # ---- setup --------------------------------------------------------------------------
-    def _make_attention(self, spec: AttentionSpec) -> AttentionBackend:
+    def _make_attention(self, spec: AttentionSpec) -> AttentionBackend | AttentionSite:
         cls = self.setup.attention_backend_cls or self.platform.attention_backend_class(
             spec, self.config.attention_backend
         )
         backend = cls(spec)
         self._backends.append(backend)
-        return backend
+        if not self._may_use_graphs():
+            return backend
+        # A seam a graph strategy can split its graphs at (steps with prefills).
+        site = AttentionSite(backend)
+        self._sites.append(site)
+        return site
+
+    def _may_use_graphs(self) -> bool:
+        # Collectives inside captured graphs are not part of the communicator contract, so
+        # tensor-parallel ranks run eagerly.
+        return (
+            not self.config.enforce_eager
+            and Capability.GRAPH_CAPTURE in self.platform.capabilities
+            and self.setup.comm.world_size == 1
+        )
 
     def load_model(self) -> int:
         """Load weights onto the device; returns the bytes the weights occupy."""
@@ -118,28 +149,24 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         """Allocate the caches, then (where the platform captures graphs, and not under
         ``enforce_eager``) set up decode-step graphs over them."""
-        pin = self.platform.device_type != "cpu"
         self.kv_caches = [b.allocate_kv_cache(num_blocks, self.device) for b in self._backends]
         self.host_caches = [
-            b.allocate_kv_cache(num_host_blocks, "cpu", pin_memory=pin)
+            b.allocate_kv_cache(num_host_blocks, "cpu", pin_memory=self.pin_host)
             for b in self._backends
             if num_host_blocks > 0
         ]
         self.graphs = self._make_graph_runner()
 
     def _make_graph_runner(self) -> DecodeGraphRunner | None:
-        # Collectives inside captured graphs are not part of the communicator contract, so
-        # tensor-parallel ranks run eagerly.
-        if (
-            self.config.enforce_eager
-            or Capability.GRAPH_CAPTURE not in self.platform.capabilities
-            or self.setup.comm.world_size > 1
-        ):
+        if not self._may_use_graphs():
             return None
         spec = DecodeGraphSpec(
             max_batch_size=self.config.scheduler.max_num_seqs,
             max_model_len=self.config.model.max_model_len,
             block_size=self.block_size,
+            attention_sites=tuple(self._sites),
+            max_mixed_tokens=min(MAX_MIXED_GRAPH_TOKENS,
+                                 self.config.scheduler.max_num_batched_tokens),
         )
         return self.platform.decode_graph_runner(self.model, self.kv_caches, spec)
 
@@ -177,6 +204,9 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. A decode row whose token is ``core.input_batch.PLACEHOLDER_TOKEN``
+        (-1) is fed the token this runner sampled for it in the previous step, without a host
+        round trip (asynchronous scheduling); see :mod:`core.input_batch`."""
         with self.platform.inference_context():
             return self._execute(sched)
 
@@ -184,13 +214,14 @@ class ModelRunner:
         self._move_blocks(sched)
         if not sched.scheduled:
             return ModelRunnerOutput({}, {})
-        input_ids, positions, md = self.prepare_inputs(sched)
+        step = self._prepare(sched)
+        input_ids, positions, md = step.input_ids, step.positions, step.metadata
         if self.graphs is not None and self.graphs.can_run(md):
             hidden = self.graphs.run(input_ids, positions, md)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
         self.platform.step_boundary()
-        return self._sample(sched, hidden, md)
+        return self._sample(sched, hidden, step.rows)
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
         backend = self._backends[0] if self._backends else None
@@ -211,53 +242,15 @@ class ModelRunner:
     def prepare_inputs(
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the schedule into input ids, positions and attention metadata."""
-        seqs = sched.scheduled
-        bs = self.block_size
-        qlens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
-        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
-        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=qsl[1:])
-        input_ids = np.fromiter(
-            (t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(qsl[-1])
-        )
-        # position of every flat token = its sequence's start + offset within the chunk
-        seq_of_token = np.repeat(np.arange(len(seqs)), qlens)
-        positions = starts[seq_of_token] + (np.arange(int(qsl[-1])) - qsl[seq_of_token])
-        # Block tables, left-aligned and zero-padded, filled in one vectorised scatter (a
-        # per-row numpy assignment costs ~1 ms per step at 256 sequences).
-        nblocks = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-        tables = np.zeros((len(seqs), int(nblocks.max())), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < nblocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs),
-            dtype=np.int64, count=int(nblocks.sum()),
-        )
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        seq_lens = starts + qlens
+        """Input ids, positions and attention metadata of a step (see core.input_batch)."""
+        step = self._prepare(sched)
+        return step.input_ids, step.positions, step.metadata
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            # Asynchronous: the host does not wait for queued device work (the source is
-            # staged before the call returns, so the array may go away).
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        md = AttentionMetadata(
-            num_prefills=sched.num_prefills,
-            num_prefill_tokens=int(qsl[sched.num_prefills]),
-            num_decode_tokens=len(seqs) - sched.num_prefills,
-            slot_mapping=dev(slots),
-            seq_lens=dev(seq_lens.astype(np.int32)),
-            context_lens=dev(starts.astype(np.int32)),
-            query_start_loc=dev(qsl.astype(np.int32)),
-            block_tables=dev(tables.astype(np.int32)),
-            max_query_len=int(qlens.max()),
-            max_seq_len=int(seq_lens.max()),
-            seq_lens_host=tuple(seq_lens.tolist()),
-            context_lens_host=tuple(starts.tolist()),
-        )
-        return dev(input_ids), dev(positions), md
+    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+        return self.batch.prepare(sched.scheduled, sched.num_prefills, sched.preempted)
 
     def _sample(
-        self, sched: SchedulerOutput, hidden: torch.Tensor, md: AttentionMetadata
+        self, sched: SchedulerOutput, hidden: torch.Tensor, batch_rows: tuple[int, ...]
     ) -> ModelRunnerOutput:
         # Row offsets from the host-side schedule: reading md.query_start_loc back would
         # make the host wait for the whole forward before it can queue the LM head.
@@ -266,12 +259,15 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
         if not rows:
             return ModelRunnerOutput({}, prompt_lp)
-        last = torch.tensor([qsl[i + 1] - 1 for i in rows]).to(hidden.device, non_blocking=True)
+        last = self.sampler.staging([qsl[i + 1] - 1 for i in rows], torch.int64, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
             return ModelRunnerOutput({}, {})
         scheduled = [sched.scheduled[i] for i in rows]
-        out = self.sampler(logits, scheduled)
+        drawn = self.sampler.draw(logits, scheduled)
+        # The next step's placeholder tokens read these without a host round trip.
+        self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
+        out = self.sampler.finish(scheduled, drawn)
         sampled = {
             s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
             for j, s in enumerate(scheduled)

@@ -59,6 +59,11 @@ class DecodeGraphSpec:
     up to it."""
     block_size: int
     """KV block size: block tables have ceil(max_model_len / block_size) columns."""
+    attention_sites: tuple = ()
+    """The model's :class:`core.attention_sites.AttentionSite` objects, in layer order: a
+    strategy may split its graphs around them to replay steps with prefills too."""
+    max_mixed_tokens: int = 0
+    """Most tokens of a step with prefills that may be replayed piecewise (0: none)."""
 
 
 class DecodeGraphRunner(ABC):
@@ -72,7 +77,8 @@ class DecodeGraphRunner(ABC):
 
     @abstractmethod
     def can_run(self, metadata: AttentionMetadata) -> bool:
-        """Whether this step can be replayed (decode-only and small enough)."""
+        """Whether this step can be replayed (decode-only and small enough, or with
+        prefills where the strategy replays those)."""
 
     @abstractmethod
     def run(

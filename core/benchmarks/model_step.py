@@ -9,6 +9,8 @@ defaults through an op-override plugin, the extension point a vendor would use) 
   from graphs and eagerly (``runner.execute``: inputs, forward, LM head, sampler);
 * the host-side pieces alone: ``prepare_inputs`` and the sampler on fixed logits;
 * a prefill step of ``--prefill-seqs`` prompts of ``--prefill-len`` tokens;
+* a mixed step: one prompt chunk of ``--mixed-chunk`` tokens plus ``--mixed-decodes`` decodes
+  at ``--context``, replayed piecewise from graphs (where the platform does) and eagerly;
 
 and, with ``--profile-dir``, writes torch.profiler tables (by device time) of one decode and
 one prefill step. Timing is wall clock around ``--iters`` steps with the platform
@@ -74,6 +76,36 @@ def prefill_schedule(seqs: int, length: int, block_size: int, params, vocab: int
         for i in range(seqs)
     )
     return SchedulerOutput(scheduled=rows, num_prefills=seqs, num_batched_tokens=seqs * length)
+
+
+def mixed_schedule(chunk: int, decodes: int, context: int, block_size: int, params, vocab: int):
+    """A prompt chunk of ``chunk`` tokens (nothing cached) first, then ``decodes`` decodes
+    with ``context`` tokens each, on disjoint blocks after block 0."""
+    first = prefill_schedule(1, chunk, block_size, params, vocab).scheduled[0]
+    used = len(first.block_table)
+    dec = decode_schedule(decodes, context, block_size, params, vocab).scheduled
+    dec = tuple(
+        dataclasses.replace(s, seq_id=1 + s.seq_id,
+                            block_table=tuple(b + used for b in s.block_table))
+        for s in dec
+    )
+    return SchedulerOutput(scheduled=(first, *dec), num_prefills=1,
+                           num_batched_tokens=chunk + decodes)
+
+
+def mixed_row(engine, ns, params) -> dict:
+    """Timings (ms) of one mixed step, from graphs (if any) and eagerly."""
+    runner, sync = engine.executor.runner, engine.platform.synchronize
+    sched = mixed_schedule(ns.mixed_chunk, ns.mixed_decodes, ns.context, runner.block_size,
+                           params, engine.vocab_size)
+    row = {"chunk": ns.mixed_chunk, "decodes": ns.mixed_decodes, "context": ns.context}
+    graphs = runner.graphs
+    if graphs is not None:
+        row["graph_step_ms"] = round(timed(lambda: runner.execute(sched), ns.iters, sync) * 1e3, 3)
+    runner.graphs = None
+    row["eager_step_ms"] = round(timed(lambda: runner.execute(sched), ns.iters, sync) * 1e3, 3)
+    runner.graphs = graphs
+    return row
 
 
 def timed(fn, iters: int, sync) -> float:
@@ -170,6 +202,8 @@ def measure(ns, variant: str) -> tuple[dict, Platform]:
     step = timed(lambda: runner.execute(psched), max(3, ns.iters // 4), engine.platform.synchronize)
     out["prefill"] = {"seqs": ns.prefill_seqs, "len": ns.prefill_len, "step_ms": round(step * 1e3, 3)}
     print(variant, "prefill", json.dumps(out["prefill"]), flush=True)
+    out["mixed"] = mixed_row(engine, ns, sampled)
+    print(variant, "mixed", json.dumps(out["mixed"]), flush=True)
     if ns.profile_dir:
         write_profiles(engine, ns, variant, sampled)
     engine.shutdown()
@@ -182,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill-seqs", type=int, default=2)
     p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument("--mixed-chunk", type=int, default=128)
+    p.add_argument("--mixed-decodes", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--ops", choices=["fused", "reference", "both"], default="both")
     p.add_argument("--profile-dir", default=None)

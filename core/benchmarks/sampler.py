@@ -1,13 +1,16 @@
-"""Sampler microbenchmark: median wall time of one ``Sampler.__call__`` on CPU.
+"""Sampler microbenchmark: median wall time of one ``Sampler.__call__`` (read-back included).
 
     python -m core.benchmarks.sampler [--batch 256] [--vocab 128256] [--repeats 5]
                                       [--top-p-candidates N] [--threads N]
+                                      [--device cuda --pinned]
 
 Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``peaked``
 (Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
 of tens of tokens) and ``flat`` (pure Gaussian, nuclei of tens of thousands of tokens: the
 worst case for top-p). ``--top-p-candidates 0`` switches the top-p candidate search off
-(always a full sort), to compare with the textbook method.
+(always a full sort), to compare with the textbook method. ``--device cuda --pinned`` runs it
+on a GPU the way the model runner does there (page-locked staging, no read-back before the
+result's).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from core.sampler import Sampler, _inverse_cdf
+from core.sampler import Sampler, Staging
+from core.sampler.draw import inverse_cdf as _inverse_cdf
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence
 
@@ -126,15 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixes", default=None, help="comma-separated substrings of mix names")
     ap.add_argument("--primitives", action="store_true", help="also time the design choices")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--device", default="cpu", help="torch device of the logits")
+    ap.add_argument("--pinned", action="store_true", help="page-locked staging (accelerators)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    sampler = (
-        Sampler(frozenset({0}), seed=0)
-        if args.top_p_candidates is None
-        else Sampler(frozenset({0}), seed=0, top_p_candidates=args.top_p_candidates)
-    )
+    sampler = Sampler(frozenset({0}), seed=0, top_p_candidates=args.top_p_candidates,
+                      staging=Staging(pinned=args.pinned))
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} "
         f"x vocab {args.vocab}, median of {args.repeats}; load average {os.getloadavg()}"
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'logits':7s} {'mix':50s} {'wall ms':>9s} {'cpu ms':>9s}")
     results = []
     for shape in args.shapes.split(","):
-        logits = make_logits(args.batch, args.vocab, shape)
+        logits = make_logits(args.batch, args.vocab, shape).to(args.device)
         for name, make in MIXES.items():
             if args.mixes and not any(m in name for m in args.mixes.split(",")):
                 continue

@@ -15,6 +15,10 @@ for every context the engine can reach: partitions past a sequence's end exit at
 Capture is lazy: the first step of each bucket runs the model once eagerly (warm-up, which
 also computes that step's real result into the cache), then captures and replays. All graphs
 share one memory pool; they never run concurrently and each keeps only its output alive.
+
+Steps with prefills of up to ``spec.max_mixed_tokens`` tokens replay piecewise, around
+eager attention calls (platforms/cuda/piecewise.py), when the runner passed the model's
+attention sites.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from core.attention import AttentionMetadata
 from core.platform import DecodeGraphRunner, DecodeGraphSpec, ModelForward
+from platforms.cuda.piecewise import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -123,18 +128,26 @@ class CudaDecodeGraphs(DecodeGraphRunner):
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.capture_seconds = 0.0
-        """Total time spent capturing (warm-up runs included)."""
+        """Total time spent capturing decode graphs (warm-up runs included)."""
+        self.mixed: PiecewiseGraphs | None = None
+        """Steps with prefills, replayed piecewise; None without attention sites."""
+        if spec.attention_sites and spec.max_mixed_tokens > 0:
+            self.mixed = PiecewiseGraphs(model, kv_caches, spec.attention_sites,
+                                         spec.max_mixed_tokens)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
+        if metadata.num_prefills:
+            return self.mixed is not None and self.mixed.can_run(metadata)
         return (
-            metadata.num_prefills == 0
-            and 0 < metadata.num_decode_tokens <= self.buckets[-1]
+            0 < metadata.num_decode_tokens <= self.buckets[-1]
             and metadata.block_tables.shape[1] <= self._inputs.max_blocks
         )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        if metadata.num_prefills:
+            return self.mixed.run(input_ids, positions, metadata)
         n = metadata.num_decode_tokens
         rows = bucket_for(n, self.buckets)
         self._inputs.load(input_ids, positions, metadata, rows)

@@ -18,7 +18,7 @@ import torch
 from core.attention import AttentionMetadata
 from core.engine import LLMEngine, resolve_config
 from core.engine_args import EngineArgs
-from core.platform import Capability
+from core.platform import Capability, DecodeGraphSpec
 from core.plugins import Plugins
 from core.sampling_params import SamplingParams
 from platforms.cpu.platform import CpuPlatform
@@ -115,6 +115,10 @@ class _GraphCpuPlatform(CpuPlatform):
     capabilities = CpuPlatform.capabilities | {Capability.GRAPH_CAPTURE}
 
     def decode_graph_runner(self, model, kv_caches, spec):
+        # Decode graphs only: piecewise capture of steps with prefills needs a GPU
+        # (tests/cuda/test_cuda_mixed_graphs.py).
+        assert len(spec.attention_sites) == len(kv_caches) and spec.max_mixed_tokens > 0
+        spec = dataclasses.replace(spec, attention_sites=())
         self.runner = _PaddedEagerGraphs(model, kv_caches, spec)
         return self.runner
 
@@ -148,7 +152,7 @@ def test_padded_decode_steps_give_the_eager_tokens(tiny_llama):
     assert _engine(path, _GraphCpuPlatform(), enforce_eager=True).executor.runner.graphs is None
 
 
-def test_prefill_steps_never_replay(tiny_llama):
+def test_prefill_steps_replay_only_piecewise(tiny_llama):
     platform = _GraphCpuPlatform()
     engine = _engine(tiny_llama(seed=5), platform)
     runner = engine.executor.runner
@@ -156,4 +160,45 @@ def test_prefill_steps_never_replay(tiny_llama):
         _decode_md([4, 9], 1, torch.Generator().manual_seed(1)), num_prefills=1,
         num_prefill_tokens=3, num_decode_tokens=1,
     )
-    assert not runner.graphs.can_run(md)
+    assert not runner.graphs.can_run(md)  # decode graphs alone (the sites were left out)
+    spec = DecodeGraphSpec(max_batch_size=6, max_model_len=128, block_size=16,
+                           attention_sites=tuple(runner._sites), max_mixed_tokens=32)
+    graphs = CudaDecodeGraphs(runner.model, runner.kv_caches, spec)
+    assert graphs.mixed.buckets == (16, 32)
+    assert graphs.can_run(md)
+    assert not graphs.can_run(dataclasses.replace(md, num_prefill_tokens=40))
+
+
+def test_token_buckets_for_steps_with_prefills():
+    from platforms.cuda.piecewise import token_buckets
+
+    assert token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert token_buckets(300)[-1] == 512 and token_buckets(7) == (16,)
+    with pytest.raises(ValueError, match="at least 1"):
+        token_buckets(0)
+
+
+def test_an_attention_site_forwards_unless_split(tiny_llama):
+    """Where graphs may run, each layer's attention reaches the model through a site; with no
+    split hook it is the backend's call, with one the hook sees every layer's call once."""
+    from core.attention_sites import AttentionSite
+
+    platform = _GraphCpuPlatform()
+    path = tiny_llama(seed=6)
+    engine = _engine(path, platform)
+    runner = engine.executor.runner
+    sites = runner._sites
+    assert sites and all(isinstance(s, AttentionSite) for s in sites)
+    assert [s.backend for s in sites] == runner._backends
+    assert sites[0].spec == runner._backends[0].spec  # other attributes are the backend's
+    want = _greedy(engine, [[5, 6, 7, 8]], 4)
+    seen = []
+
+    def hook(site, q, k, v, cache, md):
+        seen.append(site)
+        return site.backend.forward(q, k, v, cache, md)
+
+    for s in sites:
+        s.split = hook
+    assert _greedy(engine, [[5, 6, 7, 8]], 4) == want
+    assert len(seen) == 4 * len(sites) and seen[: len(sites)] == sites

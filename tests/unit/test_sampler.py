@@ -378,7 +378,7 @@ def test_largest_uniform_draws_a_token_with_weight(vocab: int) -> None:
     """u = 1 - 2**-53 (the largest draw) with all the weight in the first chunk and empty
     chunks after it: the pick must be the last token that has weight, never a later one
     (an empty chunk, or padding columns past the vocabulary)."""
-    from core.sampler import _inverse_cdf
+    from core.sampler.draw import inverse_cdf as _inverse_cdf
 
     g = torch.Generator().manual_seed(vocab)
     p = torch.zeros(3, vocab)
