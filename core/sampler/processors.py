@@ -53,7 +53,10 @@ def mask_min_tokens(
         return
     r, c = _flat_ids(rows, picks, stops, logits.shape[1], "stop_token_ids / eos_token_ids")
     dev = logits.device
-    logits[batch.stage(r, torch.int64, dev), batch.stage(c, torch.int64, dev)] = float("-inf")
+    # A Python-float value would be copied to the device from pageable memory (a sync);
+    # a device scalar made by a fill kernel is not.
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=dev)
+    logits.index_put_((batch.stage(r, torch.int64, dev), batch.stage(c, torch.int64, dev)), neg_inf)
 
 
 def add_logit_bias(
