@@ -37,7 +37,7 @@ CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
 libgomp soname torch ships, so there is one thread pool, not two)."""
 OPS = (
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv",
-    "paged_decode", "linear_f32out",
+    "paged_decode", "linear_f32out", "quant_linear", "cpu_isa", "set_cpu_isa", "cpu_isas",
 )
 
 
