@@ -88,11 +88,13 @@ GROUP = 32
 ACT_INT8 = 1
 """``quant_linear``'s activation mode: 1 quantizes activations to int8 per group of 32 and
 takes integer dot products; 0 dequantizes the weights to fp32 in registers. Mode 1 measured
-faster on AVX2 at every row count (docs/benchmarks/cpu.md)."""
+faster on AVX2 at every row count from 1 to 4,096 (1.1-1.8x for int4; docs/benchmarks/cpu.md)."""
 
-GROUPED_MAX_ROWS = 1 << 30
-"""Most activation rows a float32 layer multiplies through ``quant_linear``; larger steps take
-the dense weight (see the measurement in docs/benchmarks/cpu.md)."""
+GROUPED_MAX_ROWS = 64
+"""Most activation rows a float32 layer multiplies through ``quant_linear``; larger steps (prompts)
+take the dense weight. Single-core CPU time on the AVX2 path against oneDNN's AVX2 float32 GEMM,
+SmolLM2 shapes (``python -m core.benchmarks.cpu_linear``): int4 2-6x faster at 1 row, level at
+32-64 rows, 20-30 % slower from 128 rows (docs/benchmarks/cpu.md)."""
 
 
 def group_int4(weight: torch.Tensor) -> GroupedQuant:

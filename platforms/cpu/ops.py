@@ -19,7 +19,7 @@ import torch
 
 from core import ops as reference
 from platforms.cpu.kernels import load_kernels
-from platforms.cpu.linear import GroupedQuant, group_int8, grouped_matmul
+from platforms.cpu.linear import GROUPED_MAX_ROWS, GroupedQuant, group_int8, grouped_matmul
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -130,7 +130,7 @@ class CpuOps:
         quantized weight format when the weight lies exactly on an int8 grid of 32-wide groups
         (a GGUF Q8_0 embedding, as the embedded SmolLM2's): then its int8 codes are the same
         values in a quarter of the bytes, multiplied by ``quant_linear`` (int8 activations)."""
-        if hidden.dtype == torch.float32 and self._head.quantized:
+        if hidden.dtype == torch.float32 and self._head.quantized and hidden.shape[0] <= GROUPED_MAX_ROWS:
             packed = self._exact_int8(weight)
             if packed is not None and hidden.dim() == 2 and hidden.stride(-1) == 1:
                 return grouped_matmul(self._kernels, hidden, packed)

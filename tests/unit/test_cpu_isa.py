@@ -170,3 +170,26 @@ def test_default_formats_follow_the_cpu(monkeypatch) -> None:
     assert p.default_formats(torch.bfloat16, None) == (torch.float32, "dense")
     monkeypatch.setattr(cpu_platform, "kernels_status", lambda: (False, "no compiler"))
     assert p.default_formats(torch.bfloat16, "q4") == (torch.float32, "dense")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_float32_layers_take_grouped_codes_for_small_steps(path: str, fmt: str) -> None:
+    import dataclasses
+
+    from core.models.layers import ColumnParallelLinear
+    from platforms.cpu.linear import GROUPED_MAX_ROWS, linear_method
+    from tests.helpers import cpu_context
+
+    ctx = dataclasses.replace(cpu_context(dtype=torch.float32), weight_format=fmt, linear_method=linear_method(fmt))
+    w = q_grid(4 if fmt == "int4" else 8, 96, 64, seed=9)
+    b = torch.randn(96, generator=torch.Generator().manual_seed(10))
+    layer = ColumnParallelLinear(64, 96, ctx, bias=True)
+    layer.load_weight("weight", w)
+    layer.load_weight("bias", b)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(11))
+    got = layer(x)
+    assert isinstance(layer.packed_weight, GroupedQuant) and layer.packed_weight.bits == (4 if fmt == "int4" else 8)
+    want = (int8_activations(x.reshape(6, 64)) @ w.double().T + b.double()).view(2, 3, 96)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+    big = torch.randn(GROUPED_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(12))
+    assert torch.equal(layer(big), torch.nn.functional.linear(big, w, b))  # dense weight, bit-equal
