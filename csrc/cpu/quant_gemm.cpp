@@ -216,20 +216,20 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i wv[NT];
-    float ws[NT];
+    __m256 ws[NT];  // broadcast once per group, multiplied by each row's scale as vectors
     for (int n = 0; n < NT; ++n) {
       wv[n] = codes_avx2<BITS>(w, n0 + n, g);
-      ws[n] = w.scales[(n0 + n) * groups + g];
+      ws[n] = _mm256_broadcast_ss(w.scales + (n0 + n) * groups + g);
     }
     for (int m = 0; m < MT; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * k + g * kQuantGroup));
-      const float dx = x.d[(m0 + m) * groups + g];
+      const __m256 dx = _mm256_broadcast_ss(x.d + (m0 + m) * groups + g);
       for (int n = 0; n < NT; ++n) {
         // vpmaddubsw multiplies unsigned by signed bytes: int8 weights move their sign onto x.
         const __m256i p16 = BITS == 4 ? _mm256_maddubs_epi16(wv[n], xv)
                                       : _mm256_maddubs_epi16(_mm256_abs_epi8(wv[n]), _mm256_sign_epi8(xv, wv[n]));
         const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-        acc[m][n] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws[n] * dx), acc[m][n]);
+        acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws[n], dx), acc[m][n]);
       }
     }
   }
