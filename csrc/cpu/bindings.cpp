@@ -4,6 +4,8 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace core_cpu {
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -18,6 +20,11 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                   const std::optional<at::Tensor>& table_rows);
 void linear_f32out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
+void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, int64_t bits, int64_t act_mode);
+std::string cpu_isa();
+std::string set_cpu_isa(const std::string& name);
+std::vector<std::string> cpu_isas();
 }  // namespace core_cpu
 
 TORCH_LIBRARY(core_cpu, m) {
@@ -31,6 +38,12 @@ TORCH_LIBRARY(core_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window, Tensor? table_rows=None) -> ()");
   m.def("linear_f32out(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, "
+        "int act_mode) -> ()");
+  // The ISA path in force (isa.h): no tensors, so registered with their one implementation.
+  m.def("cpu_isa() -> str", &core_cpu::cpu_isa);
+  m.def("set_cpu_isa(str name) -> str", &core_cpu::set_cpu_isa);
+  m.def("cpu_isas() -> str[]", &core_cpu::cpu_isas);
 }
 
 TORCH_LIBRARY_IMPL(core_cpu, CPU, m) {
@@ -41,4 +54,5 @@ TORCH_LIBRARY_IMPL(core_cpu, CPU, m) {
   m.impl("write_kv", &core_cpu::write_kv);
   m.impl("paged_decode", &core_cpu::paged_decode);
   m.impl("linear_f32out", &core_cpu::linear_f32out);
+  m.impl("quant_linear", &core_cpu::quant_linear);
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "isa.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -78,7 +79,7 @@ template <typename T>
 void tile(float* out, int64_t ldo, const T* x, const T* w, int64_t mt, int64_t nt, int64_t k, float* scratch) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16_t>) {
-    if (k % 32 == 0) {
+    if (k % 32 == 0 && active_isa() == Isa::kAvx512) {  // a forced lower path takes the portable tile
       if (nt == kColsPerTile) {
         tile_bf16_rows<4>(out, ldo, x, w, mt, k);
       } else {

@@ -19,11 +19,13 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define CORE_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 #include "cpu_math.h"
+#include "isa.h"
 
 namespace core_cpu {
 
@@ -217,6 +219,82 @@ void decode_heads_avx512(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t 
 }
 #endif
 
+#if defined(CORE_AVX2)
+// AVX2 + FMA + F16C version of decode_heads_avx512 (head sizes of NV * 8, up to kMaxQueries2
+// query heads per task), for the CPUs most machines have. The block walk is written out
+// instead of for_each_row: a lambda would not carry this function's target attribute.
+constexpr int64_t kMaxQueries2 = 32;
+
+CORE_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+CORE_AVX2 inline __m256 load8(const bf16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+CORE_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+CORE_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T, int NV>
+CORE_AVX2 void decode_heads_avx2(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& buf) {
+  constexpr int64_t D = NV * 8;
+  const int64_t g_n = a.group, nq = (h1 - h0) * g_n, heads = h1 - h0;
+  const int64_t len = a.seq_lens[b], start = window_start(len, a.window), n = len - start;
+  const int32_t* table = a.tables + (a.table_rows ? a.table_rows[b] : b) * a.table_stride;
+  const int64_t bs = a.block_size, row_stride = a.kv_heads * a.head_size;
+  buf.resize(static_cast<size_t>(nq * n));
+  float* scores = buf.data();  // [nq, n]
+  __m256 q[kMaxQueries2][NV];
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  const T* qsrc = a.query + b * a.q_stride + h0 * g_n * D;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int v = 0; v < NV; ++v) q[i][v] = _mm256_mul_ps(load8(qsrc + i * D + 8 * v), scale);
+  for (int64_t p = start; p < len; ++p) {
+    const T* k = a.keys + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row_stride + h0 * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      __m256 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = load8(k + h * D + 8 * v);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t i = h * g_n + g;
+        __m256 acc0 = _mm256_mul_ps(q[i][0], kv[0]), acc1 = _mm256_setzero_ps();
+        for (int v = 1; v < NV; v += 2) {
+          acc1 = _mm256_fmadd_ps(q[i][v], kv[v], acc1);
+          if (v + 1 < NV) acc0 = _mm256_fmadd_ps(q[i][v + 1], kv[v + 1], acc0);
+        }
+        scores[i * n + p - start] = hsum8(_mm256_add_ps(acc0, acc1));
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) softmax_inplace(scores + i * n, n);
+  __m256 acc[kMaxQueries2][NV];
+  for (int64_t i = 0; i < nq; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t p = start; p < len; ++p) {
+    const T* val = a.values + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row_stride + h0 * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      __m256 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load8(val + h * D + 8 * v);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t i = h * g_n + g;
+        const __m256 w = _mm256_set1_ps(scores[i * n + p - start]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(w, vv[v], acc[i][v]);
+      }
+    }
+  }
+  alignas(32) float tmp[D];
+  T* dst = a.out + b * a.out_stride + h0 * g_n * D;
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(tmp + 8 * v, acc[i][v]);
+    for (int64_t e = 0; e < D; ++e) dst[i * D + e] = from_f32<T>(tmp[e]);
+  }
+}
+#endif
+
 template <typename T>
 void decode_heads_generic(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& buf) {
   for (int64_t h = h0; h < h1; ++h) decode_one(a, b, h, buf);
@@ -228,12 +306,22 @@ using DecodeFn = void (*)(const DecodeArgs<T>&, int64_t, int64_t, int64_t, std::
 // The routine for this head size and group, and how many kv heads one task may take.
 template <typename T>
 std::pair<DecodeFn<T>, int64_t> pick_decode(int64_t head_size, int64_t group) {
+  const Isa isa = active_isa();
 #if defined(__AVX512F__)
-  if (group <= kMaxQueries) {
+  if (isa == Isa::kAvx512 && group <= kMaxQueries) {
     if (head_size == 64) return {&decode_heads_avx512<T, 4>, kMaxQueries / group};
     if (head_size == 128) return {&decode_heads_avx512<T, 8>, kMaxQueries / group};
   }
 #endif
+#if defined(CORE_AVX2)
+  if (isa == Isa::kAvx2 && group <= kMaxQueries2) {
+    if (head_size == 64) return {&decode_heads_avx2<T, 8>, kMaxQueries2 / group};
+    if (head_size == 128) return {&decode_heads_avx2<T, 16>, kMaxQueries2 / group};
+    if (head_size == 96) return {&decode_heads_avx2<T, 12>, kMaxQueries2 / group};
+    if (head_size == 32) return {&decode_heads_avx2<T, 4>, kMaxQueries2 / group};
+  }
+#endif
+  (void)isa;
   (void)head_size;
   (void)group;
   return {&decode_heads_generic<T>, 1 << 20};

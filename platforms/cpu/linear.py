@@ -15,6 +15,13 @@ Formats:
   blocks spanning codes 0 to 15, so its codes come back exactly and only the scales are
   rounded to bf16.
 * ``int8``: one bf16 scale per output row (symmetric, codes -127..127).
+
+A float32 model takes another kernel (csrc/cpu/quant_linear.cpp, whichever ISA path the CPU
+runs: AVX2, AVX-512, NEON or portable): weights in groups of 32 with fp32 scales
+(:class:`GroupedQuant`; int4 with a min per group, GGUF Q4_1's grid; int8 symmetric, GGUF
+Q8_0's grid), activations quantized per group of 32 to int8 for integer dot products,
+accumulation in fp32, and no bf16 anywhere: on CPUs without native bf16 instructions
+torch's bf16 paths are emulated and slower than float32.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.models.layers import DENSE, LinearMethod
+from platforms.cpu.kernels import kernels_or_none
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,93 @@ class PackedInt8:
     """[out] bf16: w = code * scale."""
 
 
+@dataclass(frozen=True)
+class GroupedQuant:
+    """Weights of a float32 layer for csrc/cpu's ``quant_linear`` (groups of 32 inputs)."""
+
+    bits: int
+    codes: torch.Tensor
+    """int4: [out, in / 2] uint8, per group element j in the low nibble of byte j and
+    element j + 16 in its high nibble; int8: [out, in] int8."""
+    scales: torch.Tensor
+    """[out, in / 32] float32."""
+    mins: torch.Tensor | None
+    """int4: [out, in / 32] float32, w = code * scale + min; int8: None, w = code * scale."""
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The float32 weight rows [start, stop) these codes stand for."""
+        rows = slice(start, stop)
+        scales = self.scales[rows, :, None]
+        if self.bits == 8:
+            return (self.codes[rows].float().unflatten(1, (-1, GROUP)) * scales).flatten(1)
+        low, high = self.codes[rows] & 15, self.codes[rows] >> 4
+        codes = torch.cat([low.unflatten(1, (-1, 16)), high.unflatten(1, (-1, 16))], dim=-1).float()
+        return (codes * scales + self.mins[rows, :, None]).flatten(1)
+
+    def reproduces(self, weight: torch.Tensor) -> bool:
+        """Whether the codes stand for exactly ``weight`` (checked in row chunks)."""
+        return all(
+            torch.equal(self.dequantize(s, s + _GROUP_ROWS), weight[s : s + _GROUP_ROWS])
+            for s in range(0, weight.shape[0], _GROUP_ROWS)
+        )
+
+
+GROUP = 32
+"""Input features per scale of :class:`GroupedQuant`."""
+ACT_INT8 = 1
+"""``quant_linear``'s activation mode: 1 quantizes activations to int8 per group of 32 and
+takes integer dot products; 0 dequantizes the weights to fp32 in registers. Mode 1 measured
+faster on AVX2 at every row count from 1 to 4,096 (1.1-1.8x for int4; docs/benchmarks/cpu.md)."""
+
+GROUPED_MAX_ROWS = 64
+"""Most activation rows a float32 layer multiplies through ``quant_linear``; larger steps (prompts)
+take the dense weight. Single-core CPU time on the AVX2 path against oneDNN's AVX2 float32 GEMM,
+SmolLM2 shapes (``python -m core.benchmarks.cpu_linear``): int4 2-6x faster at 1 row, level at
+32-64 rows, 20-30 % slower from 128 rows (docs/benchmarks/cpu.md)."""
+
+
+def group_int4(weight: torch.Tensor) -> GroupedQuant:
+    """Asymmetric 4-bit codes per 32 inputs (a GGUF Q4_1 weight's own codes come back)."""
+    n, k = weight.shape
+    out = GroupedQuant(4, torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // GROUP),
+                       torch.empty(n, k // GROUP))
+    for start in range(0, n, _GROUP_ROWS):  # row chunks: small temporaries while loading
+        w = weight[start : start + _GROUP_ROWS].float().unflatten(1, (-1, GROUP))
+        low, high = w.amin(-1), w.amax(-1)
+        scale = (high - low) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: code 0
+        codes = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+        out.codes[start : start + _GROUP_ROWS] = (codes[..., :16] | (codes[..., 16:] << 4)).flatten(1)
+        out.scales[start : start + _GROUP_ROWS] = scale
+        out.mins[start : start + _GROUP_ROWS] = low
+    return out
+
+
+def group_int8(weight: torch.Tensor) -> GroupedQuant:
+    """Symmetric 8-bit codes per 32 inputs (a GGUF Q8_0 weight's own codes come back)."""
+    n, k = weight.shape
+    out = GroupedQuant(8, torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // GROUP), None)
+    for start in range(0, n, _GROUP_ROWS):
+        w = weight[start : start + _GROUP_ROWS].float().unflatten(1, (-1, GROUP))
+        scale = w.abs().amax(-1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        out.codes[start : start + _GROUP_ROWS] = codes.flatten(1)
+        out.scales[start : start + _GROUP_ROWS] = scale
+    return out
+
+
+_GROUP_ROWS = 4096
+"""Rows quantized at a time by :func:`group_int4` / :func:`group_int8`."""
+
+
+def grouped_matmul(kernels, x: torch.Tensor, packed: GroupedQuant, act_mode: int = ACT_INT8) -> torch.Tensor:
+    """x [rows, in] float32 (contiguous rows) @ the packed weight^T -> [rows, out] float32."""
+    out = torch.empty((x.shape[0], packed.codes.shape[0]), dtype=torch.float32)
+    kernels.quant_linear(out, x, packed.codes, packed.scales, packed.mins, packed.bits, act_mode)
+    return out
+
+
 _PACK_ROWS = 64
 """Rows quantized at a time (torch's int4 CPU packing works in blocks of 64 rows)."""
 
@@ -60,18 +155,26 @@ class QuantizedLinear(LinearMethod):
         self.name = codec.name
 
     def prepare(self, layer: nn.Module) -> None:
-        packed = self.codec.quantize(layer.weight.detach())
+        weight = layer.weight.detach()
+        kernels = kernels_or_none() if weight.dtype == torch.float32 else None
+        if kernels is not None:  # float32 model: the csrc/cpu kernel, no bf16 round trip
+            fits = weight.dim() == 2 and weight.shape[1] % GROUP == 0
+            layer.packed_weight = self.codec.group(weight) if fits else _STAY_DENSE
+            return
+        packed = self.codec.quantize(weight)
         layer.packed_weight = _STAY_DENSE if packed is None else packed
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if rows > self.codec.max_rows or rows == 0:
+        if rows == 0:
             return F.linear(x, layer.weight, bias)
         if layer.packed_weight is None:
             self.prepare(layer)
         packed = layer.packed_weight
-        if packed is _STAY_DENSE:
+        if isinstance(packed, GroupedQuant) and rows <= GROUPED_MAX_ROWS:
+            return self._apply_grouped(layer, x, bias, packed, rows, k)
+        if packed is _STAY_DENSE or isinstance(packed, GroupedQuant) or rows > self.codec.max_rows:
             return F.linear(x, layer.weight, bias)
         # A decode step's activations are already 2-D contiguous bf16: no conversion calls.
         plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
@@ -80,6 +183,15 @@ class QuantizedLinear(LinearMethod):
             y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def _apply_grouped(self, layer, x, bias, packed: GroupedQuant, rows: int, k: int) -> torch.Tensor:
+        if x.dtype != torch.float32:  # the model is float32; a stray other dtype keeps dense
+            return F.linear(x, layer.weight, bias)
+        flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k).contiguous()
+        y = grouped_matmul(kernels_or_none(), flat, packed)
+        if bias is not None:
+            y += bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -129,6 +241,8 @@ class Int4Codec:
     def matmul(self, x: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
         return self._mm(x, packed.weight, self.group_size, packed.scales_and_zeros)
 
+    group = staticmethod(group_int4)
+
 
 class Int8Codec:
     """``int8``: symmetric 8-bit codes with one scale per output row."""
@@ -156,6 +270,8 @@ class Int8Codec:
 
     def matmul(self, x: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
         return self._mm(x, packed.weight, packed.scales)
+
+    group = staticmethod(group_int8)
 
 
 def linear_method(weight_format: str) -> LinearMethod:

@@ -10,13 +10,16 @@ arithmetic, is what a layer's element-wise work costs. Inputs the kernels do not
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from core import ops as reference
 from platforms.cpu.kernels import load_kernels
+from platforms.cpu.linear import GROUPED_MAX_ROWS, GroupedQuant, group_int8, grouped_matmul
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -26,10 +29,22 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and x.stride(-1) == 1 and (x.dim() == 2 or x.is_contiguous())
 
 
+@dataclass
+class HeadPolicy:
+    """Whether a float32 LM head may multiply through int8 codes: set by the platform when
+    the engine chose a quantized weight format (``--weight-format int4/int8``), so the dense
+    format keeps torch's matmul, bit-identical to HF transformers."""
+
+    quantized: bool = False
+
+
 class CpuOps:
     """Builds the op table over the loaded ``torch.ops.core_cpu`` namespace."""
 
-    def __init__(self, kernels: Any):
+    def __init__(self, kernels: Any, head: HeadPolicy | None = None):
+        self._kernels = kernels
+        self._head = head or HeadPolicy()
+        self._head_codes: dict[int, tuple[Any, int, GroupedQuant | None]] = {}
         self._rms_norm = kernels.rms_norm.default
         self._fused_add_rms_norm = kernels.fused_add_rms_norm.default
         self._silu_and_mul = kernels.silu_and_mul.default
@@ -39,7 +54,7 @@ class CpuOps:
     def __reduce__(self):
         # The op handles cannot be pickled; a worker process (multiprocess tensor parallel)
         # loads the kernels itself, from the build cache.
-        return _ops_from_cache, ()
+        return _ops_from_cache, (self._head,)
 
     def table(self) -> dict[str, Callable[..., Any]]:
         """Overrides for :data:`core.ops.DEFAULT_OPS`, by name."""
@@ -111,7 +126,14 @@ class CpuOps:
 
     def lm_head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """float32 logits accumulated in float32 (the reference rounds bf16 logits to bf16).
-        A float32 model keeps the reference's F.linear: it is already exact there."""
+        A float32 model keeps the reference's F.linear (already exact there), except under a
+        quantized weight format when the weight lies exactly on an int8 grid of 32-wide groups
+        (a GGUF Q8_0 embedding, as the embedded SmolLM2's): then its int8 codes are the same
+        values in a quarter of the bytes, multiplied by ``quant_linear`` (int8 activations)."""
+        if hidden.dtype == torch.float32 and self._head.quantized and hidden.shape[0] <= GROUPED_MAX_ROWS:
+            packed = self._exact_int8(weight)
+            if packed is not None and hidden.dim() == 2 and hidden.stride(-1) == 1:
+                return grouped_matmul(self._kernels, hidden, packed)
         fits = (
             hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
             and hidden.dim() == 2 and hidden.is_contiguous() and weight.is_contiguous()
@@ -123,5 +145,21 @@ class CpuOps:
         return out
 
 
-def _ops_from_cache() -> CpuOps:
-    return CpuOps(load_kernels())
+    def _exact_int8(self, weight: torch.Tensor) -> GroupedQuant | None:
+        """The weight's int8 codes when they reproduce it exactly, else None; computed once per
+        weight (and again after an in-place change, which bumps its version)."""
+        key = id(weight)
+        held = self._head_codes.get(key)
+        if held is not None and held[0]() is weight and held[1] == weight._version:
+            return held[2]
+        packed = None
+        if weight.dim() == 2 and weight.dtype == torch.float32 and weight.shape[1] % 32 == 0:
+            packed = group_int8(weight)
+            if not packed.reproduces(weight):
+                packed = None
+        self._head_codes[key] = (weakref.ref(weight), weight._version, packed)
+        return packed
+
+
+def _ops_from_cache(head: HeadPolicy | None = None) -> CpuOps:
+    return CpuOps(load_kernels(), head)

@@ -14,8 +14,9 @@ from core.models.layers import LinearMethod
 from core.platform import Capability, Platform, ProbeResult, builtin_backend
 from platforms.cpu import linear
 from platforms.cpu.attention import CpuAttentionBackend, CpuPagedAttentionBackend
-from platforms.cpu.kernels import kernels_or_none
-from platforms.cpu.ops import CpuOps
+from platforms.cpu.isa import has_native_bf16, isa_in_force
+from platforms.cpu.kernels import kernels_or_none, kernels_status
+from platforms.cpu.ops import CpuOps, HeadPolicy
 from platforms.cpu.threads import ThreadGovernor
 
 DEFAULT_KV_CACHE_BYTES = 2 * GiB
@@ -36,33 +37,24 @@ def _available_memory() -> tuple[int, int]:
         return total // 2, total
 
 
-def _has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (Linux x86); False where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    return False
-
-
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dispatch_key = "CPU"
     capabilities = frozenset({Capability.PINNED_HOST_MEMORY})
-    verification = "real hardware (x86-64 CPU, CI)"
+    verification = "real hardware (x86-64 AVX2 and AVX-512 CPUs, CI); Arm NEON under qemu-user"
 
     def __init__(self) -> None:
         self._governor: ThreadGovernor | None = None
+        self._head = HeadPolicy()
 
     @classmethod
     def probe(cls) -> ProbeResult:
-        # Always usable, but any accelerator should win over it.
-        return ProbeResult(1, f"{os.cpu_count()} CPU cores, torch {torch.__version__}")
+        # Always usable, but any accelerator should win over it. The kernel path is read from
+        # /proc/cpuinfo (or the loaded kernels): probing builds nothing.
+        bf16 = "native bf16" if has_native_bf16() else "no native bf16"
+        return ProbeResult(1, f"{os.cpu_count()} CPU cores, torch {torch.__version__}, "
+                              f"kernels: {isa_in_force()} path ({bf16})")
 
     def device_count(self) -> int:
         return 1
@@ -84,10 +76,14 @@ class CpuPlatform(Platform):
         # A 4-bit checkpoint (the embedded SmolLM2 Q4_1 GGUF) is best served by bf16 compute
         # over int4 weights when the CPU has native bf16 dot products: ~5x faster decode
         # than float32 and closer to the float32 reference than plain bf16, because the
-        # checkpoint's own 4-bit codes come back exactly (docs/benchmarks/cpu.md). Anything
-        # else stays float32 dense: exact against HF transformers.
-        if quantization == "q4" and _has_native_bf16():
+        # checkpoint's own 4-bit codes come back exactly (docs/benchmarks/cpu.md). Without
+        # them (AVX2, Arm) bf16 is emulated: float32 compute over the checkpoint's int4 codes
+        # through csrc/cpu's quant_linear, when the kernels can be built here. Anything else
+        # stays float32 dense: exact against HF transformers.
+        if quantization == "q4" and has_native_bf16():
             return torch.bfloat16, "int4"
+        if quantization == "q4" and kernels_status()[0]:
+            return torch.float32, "int4"
         return torch.float32, "dense"
 
     def supported_block_sizes(self) -> tuple[int, ...]:
@@ -103,13 +99,16 @@ class CpuPlatform(Platform):
 
     def ops(self) -> dict[str, Any]:
         kernels = kernels_or_none()
-        return CpuOps(kernels).table() if kernels is not None else {}
+        return CpuOps(kernels, self._head).table() if kernels is not None else {}
 
     def supported_weight_formats(self) -> tuple[str, ...]:
         return linear.WEIGHT_FORMATS
 
     def linear_method(self, weight_format: str) -> LinearMethod:
-        return linear.linear_method(weight_format)
+        method = linear.linear_method(weight_format)
+        # A quantized format lets a float32 LM head use its exact int8 codes (see CpuOps.lm_head).
+        self._head.quantized = weight_format != "dense"
+        return method
 
     def kv_cache_budget(
         self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int

@@ -46,6 +46,10 @@ OPTIONS = {
     "bf16-dense": (dict(dtype="bfloat16"), 0.95, 3.0, 0.25),
     "bf16-int4": (dict(dtype="bfloat16", weight_format="int4"), 0.95, 3.0, 0.25),
     "bf16-int8": (dict(dtype="bfloat16", weight_format="int8"), 0.94, 3.0, 0.30),
+    # The default where the CPU lacks native bf16 (AVX2, Arm): float32 activations, int4 / int8
+    # codes in groups of 32 through csrc/cpu quant_linear (int8 activations), exact int8 LM head.
+    "f32-int4": (dict(dtype="float32", weight_format="int4"), 0.95, 3.0, 0.25),
+    "f32-int8": (dict(dtype="float32", weight_format="int8"), 0.95, 3.0, 0.25),
 }
 ENGINE = dict(max_model_len=512, kv_cache_memory="32MiB")
 

@@ -1,0 +1,404 @@
+// Weight-quantized matmuls per ISA path (see quant_gemm.h for the formats and modes).
+//
+// Each path computes tiles of MT activation rows x NT weight rows with one accumulator per
+// output, so a weight group is unpacked once for MT rows and an activation group loaded once
+// for NT weight rows. The AVX2 and NEON functions carry target attributes: they compile in
+// any build of their architecture and are called only when isa.cpp found the instructions.
+#include "quant_gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CORE_X86 1
+#define CORE_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define CORE_ARM 1
+#define CORE_NEON_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+namespace core_cpu {
+
+namespace {
+
+int64_t groups_of(int64_t k) { return k / kQuantGroup; }
+
+// ---- portable paths: the reference every other path is tested against -------------------
+
+void weight_group(const QuantWeights& w, int64_t row, int64_t g, float* out) {
+  const int64_t groups = groups_of(w.k);
+  const float sc = w.scales[row * groups + g];
+  if (w.bits == 4) {
+    const uint8_t* c = w.codes + row * (w.k / 2) + g * 16;
+    const float mn = w.mins[row * groups + g];
+    for (int j = 0; j < 16; ++j) {
+      out[j] = static_cast<float>(c[j] & 15) * sc + mn;
+      out[j + 16] = static_cast<float>(c[j] >> 4) * sc + mn;
+    }
+  } else {
+    const int8_t* c = reinterpret_cast<const int8_t*>(w.codes) + row * w.k + g * kQuantGroup;
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(c[j]) * sc;
+  }
+}
+
+void gemm_f32_generic(float* out, int64_t ldo, const float* x, int64_t ldx, int64_t m0, int64_t m1,
+                      const QuantWeights& w, int64_t n0, int64_t n1) {
+  float wg[kQuantGroup];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = m0; m < m1; ++m) out[m * ldo + n] = 0.f;
+    for (int64_t g = 0; g < groups_of(w.k); ++g) {
+      weight_group(w, n, g, wg);
+      for (int64_t m = m0; m < m1; ++m) {
+        const float* xr = x + m * ldx + g * kQuantGroup;
+        float part = 0.f;
+        for (int j = 0; j < kQuantGroup; ++j) part += wg[j] * xr[j];
+        out[m * ldo + n] += part;
+      }
+    }
+  }
+}
+
+int weight_code(const QuantWeights& w, int64_t row, int64_t g, int j) {
+  if (w.bits == 4) {
+    const uint8_t b = w.codes[row * (w.k / 2) + g * 16 + (j & 15)];
+    return j < 16 ? (b & 15) : (b >> 4);
+  }
+  return reinterpret_cast<const int8_t*>(w.codes)[row * w.k + g * kQuantGroup + j];
+}
+
+void gemm_int8_generic(float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1, const QuantWeights& w,
+                       int64_t n0, int64_t n1) {
+  const int64_t groups = groups_of(w.k);
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int j = 0; j < kQuantGroup; ++j) dot += weight_code(w, n, g, j) * x.q[m * w.k + g * kQuantGroup + j];
+        acc += static_cast<float>(dot) * (w.scales[n * groups + g] * x.d[m * groups + g]);
+        if (w.bits == 4) acc += w.mins[n * groups + g] * x.s[m * groups + g];
+      }
+      out[m * ldo + n] = acc;
+    }
+  }
+}
+
+// Scale, codes and code sum of one group; the AVX2 path rounds identically (same products,
+// round-to-nearest-even), so every path sees the same activation codes.
+void quantize_group_generic(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int j = 0; j < kQuantGroup; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 1.f / scale : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < kQuantGroup; ++j) {
+    const int v = static_cast<int>(std::nearbyint(x[j] * inv));
+    q[j] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    sum += q[j];
+  }
+  *d = scale;
+  *s = scale * static_cast<float>(sum);
+}
+
+// ---- x86-64: AVX2 + FMA + F16C ---------------------------------------------------------------
+#if defined(CORE_X86)
+
+CORE_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+CORE_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+CORE_AVX2 void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m), scale = top / 127.f, inv = top > 0.f ? 1.f / scale : 0.f;
+  const __m256 iv = _mm256_set1_ps(inv);
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));  // nearest even
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  const int32_t sum = static_cast<int32_t>(hsum8(_mm256_cvtepi32_ps(total)));  // |sum| <= 4064: exact
+  // packs interleave 128-bit lanes; the permute puts the 32 codes back in order.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *d = scale;
+  *s = scale * static_cast<float>(sum);
+}
+
+// The 32 weights of group g of `row` as four fp32 vectors.
+template <int BITS>
+CORE_AVX2 inline void dequant_avx2(const QuantWeights& w, int64_t row, int64_t g, __m256 out[4]) {
+  const int64_t groups = groups_of(w.k);
+  const __m256 sc = _mm256_set1_ps(w.scales[row * groups + g]);
+  if constexpr (BITS == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    const __m256 mn = _mm256_set1_ps(w.mins[row * groups + g]);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int j = 0; j < 4; ++j)
+      out[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), sc, mn);
+  } else {
+    const int8_t* c = reinterpret_cast<const int8_t*>(w.codes) + row * w.k + g * kQuantGroup;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j));
+      out[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), sc);
+    }
+  }
+}
+
+template <int BITS, int MT, int NT>
+CORE_AVX2 void tile_f32_avx2(float* out, int64_t ldo, const float* x, int64_t ldx, const QuantWeights& w,
+                             int64_t n0) {
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups_of(w.k); ++g) {
+    for (int n = 0; n < NT; ++n) {
+      __m256 wv[4];
+      dequant_avx2<BITS>(w, n0 + n, g, wv);
+      for (int m = 0; m < MT; ++m) {
+        const float* xr = x + m * ldx + g * kQuantGroup;
+        __m256 a = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xr));
+        __m256 b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(xr + 8));
+        a = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), a);
+        b = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), b);
+        acc[m][n] = _mm256_add_ps(acc[m][n], _mm256_add_ps(a, b));
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) out[m * ldo + n] = hsum8(acc[m][n]);
+}
+
+// The 32 codes of group g of `row` in order, as bytes (int4: unsigned 0..15; int8: signed).
+template <int BITS>
+CORE_AVX2 inline __m256i codes_avx2(const QuantWeights& w, int64_t row, int64_t g) {
+  if constexpr (BITS == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + row * w.k + g * kQuantGroup));
+  }
+}
+
+template <int BITS, int MT, int NT>
+CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64_t m0, const QuantWeights& w,
+                              int64_t n0) {
+  const int64_t groups = groups_of(w.k), k = w.k;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[NT];
+    __m256 ws[NT];  // broadcast once per group, multiplied by each row's scale as vectors
+    for (int n = 0; n < NT; ++n) {
+      wv[n] = codes_avx2<BITS>(w, n0 + n, g);
+      ws[n] = _mm256_broadcast_ss(w.scales + (n0 + n) * groups + g);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * k + g * kQuantGroup));
+      const __m256 dx = _mm256_broadcast_ss(x.d + (m0 + m) * groups + g);
+      for (int n = 0; n < NT; ++n) {
+        // vpmaddubsw multiplies unsigned by signed bytes: int8 weights move their sign onto x.
+        const __m256i p16 = BITS == 4 ? _mm256_maddubs_epi16(wv[n], xv)
+                                      : _mm256_maddubs_epi16(_mm256_abs_epi8(wv[n]), _mm256_sign_epi8(xv, wv[n]));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws[n], dx), acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    for (int n = 0; n < NT; ++n) {
+      float v = hsum8(acc[m][n]);
+      if constexpr (BITS == 4) v += dot_avx2(w.mins + (n0 + n) * groups, x.s + (m0 + m) * groups, groups);
+      out[(m0 + m) * ldo + n0 + n] = v;
+    }
+  }
+}
+
+// Rows [m0, m1) x columns [n0, n1) in tiles: NT weight rows (4 at one activation row, where
+// the weights stream from memory; 2 otherwise) by up to 4 activation rows.
+template <int BITS, int NT, typename Tile>
+CORE_AVX2 void tiles_avx2(int64_t m0, int64_t m1, int64_t n0, int64_t n1, Tile&& tile) {
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) {
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) tile(std::integral_constant<int, 4>{}, std::integral_constant<int, NT>{}, m, n);
+    switch (m1 - m) {
+      case 3: tile(std::integral_constant<int, 3>{}, std::integral_constant<int, NT>{}, m, n); break;
+      case 2: tile(std::integral_constant<int, 2>{}, std::integral_constant<int, NT>{}, m, n); break;
+      case 1: tile(std::integral_constant<int, 1>{}, std::integral_constant<int, NT>{}, m, n); break;
+      default: break;
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = m0; m < m1; ++m) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m, n);
+}
+
+template <int BITS>
+CORE_AVX2 void gemm_f32_avx2(float* out, int64_t ldo, const float* x, int64_t ldx, int64_t m0, int64_t m1,
+                             const QuantWeights& w, int64_t n0, int64_t n1) {
+  auto tile = [&](auto mt, auto nt, int64_t m, int64_t n) {
+    tile_f32_avx2<BITS, decltype(mt)::value, decltype(nt)::value>(out + m * ldo + n, ldo, x + m * ldx, ldx, w, n);
+  };
+  if (m1 - m0 == 1) tiles_avx2<BITS, 4>(m0, m1, n0, n1, tile);
+  else tiles_avx2<BITS, 2>(m0, m1, n0, n1, tile);
+}
+
+template <int BITS>
+CORE_AVX2 void gemm_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
+                              const QuantWeights& w, int64_t n0, int64_t n1) {
+  auto tile = [&](auto mt, auto nt, int64_t m, int64_t n) {
+    tile_int8_avx2<BITS, decltype(mt)::value, decltype(nt)::value>(out, ldo, x, m, w, n);
+  };
+  if (m1 - m0 == 1) tiles_avx2<BITS, 4>(m0, m1, n0, n1, tile);
+  else tiles_avx2<BITS, 2>(m0, m1, n0, n1, tile);
+}
+
+#endif  // CORE_X86
+
+// ---- AArch64: NEON with sdot -----------------------------------------------------------------
+#if defined(CORE_ARM)
+
+template <int BITS>
+CORE_NEON_DOT inline void codes_neon(const QuantWeights& w, int64_t row, int64_t g, int8x16_t& lo, int8x16_t& hi) {
+  if constexpr (BITS == 4) {
+    const uint8x16_t raw = vld1q_u8(w.codes + row * (w.k / 2) + g * 16);
+    lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));  // elements 0..15
+    hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));               // elements 16..31
+  } else {
+    const int8_t* c = reinterpret_cast<const int8_t*>(w.codes) + row * w.k + g * kQuantGroup;
+    lo = vld1q_s8(c);
+    hi = vld1q_s8(c + 16);
+  }
+}
+
+template <int BITS, int MT, int NT>
+CORE_NEON_DOT void tile_int8_neon(float* out, int64_t ldo, const QuantActs& x, int64_t m0, const QuantWeights& w,
+                                  int64_t n0) {
+  const int64_t groups = groups_of(w.k), k = w.k;
+  float32x4_t acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = vdupq_n_f32(0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    int8x16_t lo[NT], hi[NT];
+    for (int n = 0; n < NT; ++n) codes_neon<BITS>(w, n0 + n, g, lo[n], hi[n]);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xq = x.q + (m0 + m) * k + g * kQuantGroup;
+      const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
+      const float dx = x.d[(m0 + m) * groups + g];
+      for (int n = 0; n < NT; ++n) {
+        const int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo[n], x0), hi[n], x1);
+        acc[m][n] = vfmaq_n_f32(acc[m][n], vcvtq_f32_s32(p), w.scales[(n0 + n) * groups + g] * dx);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    for (int n = 0; n < NT; ++n) {
+      float v = vaddvq_f32(acc[m][n]);
+      if constexpr (BITS == 4) {
+        for (int64_t g = 0; g < groups; ++g) v += w.mins[(n0 + n) * groups + g] * x.s[(m0 + m) * groups + g];
+      }
+      out[(m0 + m) * ldo + n0 + n] = v;
+    }
+  }
+}
+
+template <int BITS>
+CORE_NEON_DOT void gemm_int8_neon(float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
+                                  const QuantWeights& w, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t m = m0;
+    for (; m + 2 <= m1; m += 2) tile_int8_neon<BITS, 2, 4>(out, ldo, x, m, w, n);
+    if (m < m1) tile_int8_neon<BITS, 1, 4>(out, ldo, x, m, w, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = m0; m < m1; ++m) tile_int8_neon<BITS, 1, 1>(out, ldo, x, m, w, n);
+}
+
+#endif  // CORE_ARM
+
+}  // namespace
+
+void quantize_rows(Isa isa, const float* x, int64_t ldx, int64_t k, int64_t m0, int64_t m1, int8_t* q, float* d,
+                   float* s) {
+  const int64_t groups = groups_of(k);
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = x + m * ldx + g * kQuantGroup;
+      int8_t* dq = q + m * k + g * kQuantGroup;
+      float *dd = d + m * groups + g, *ds = s + m * groups + g;
+#if defined(CORE_X86)
+      if (isa == Isa::kAvx2 || isa == Isa::kAvx512) {
+        quantize_group_avx2(src, dq, dd, ds);
+        continue;
+      }
+#endif
+      (void)isa;
+      quantize_group_generic(src, dq, dd, ds);
+    }
+  }
+}
+
+// The AVX-512 path uses the AVX2 kernels here (no 512-bit versions of these are written).
+void quant_gemm_f32(Isa isa, float* out, int64_t ldo, const float* x, int64_t ldx, int64_t m0, int64_t m1,
+                    const QuantWeights& w, int64_t n0, int64_t n1) {
+#if defined(CORE_X86)
+  if (isa == Isa::kAvx2 || isa == Isa::kAvx512) {
+    if (w.bits == 4) gemm_f32_avx2<4>(out, ldo, x, ldx, m0, m1, w, n0, n1);
+    else gemm_f32_avx2<8>(out, ldo, x, ldx, m0, m1, w, n0, n1);
+    return;
+  }
+#endif
+  (void)isa;
+  gemm_f32_generic(out, ldo, x, ldx, m0, m1, w, n0, n1);
+}
+
+void quant_gemm_int8(Isa isa, float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
+                     const QuantWeights& w, int64_t n0, int64_t n1) {
+#if defined(CORE_X86)
+  if (isa == Isa::kAvx2 || isa == Isa::kAvx512) {
+    if (w.bits == 4) gemm_int8_avx2<4>(out, ldo, x, m0, m1, w, n0, n1);
+    else gemm_int8_avx2<8>(out, ldo, x, m0, m1, w, n0, n1);
+    return;
+  }
+#endif
+#if defined(CORE_ARM)
+  if (isa == Isa::kNeonDot) {
+    if (w.bits == 4) gemm_int8_neon<4>(out, ldo, x, m0, m1, w, n0, n1);
+    else gemm_int8_neon<8>(out, ldo, x, m0, m1, w, n0, n1);
+    return;
+  }
+#endif
+  (void)isa;
+  gemm_int8_generic(out, ldo, x, m0, m1, w, n0, n1);
+}
+
+}  // namespace core_cpu

@@ -1,0 +1,53 @@
+// Weight-quantized matmuls, out[M, N] (fp32) = x[M, K] (fp32) @ W[N, K]^T, per ISA path.
+//
+// Weights come in groups of 32 input features (K % 32 == 0), one fp32 scale per group:
+//   int4: w = code * scale + min, codes 0..15; the 16 bytes of a group hold element j in the
+//         low nibble of byte j and element j + 16 in its high nibble (GGUF Q4_1's order, so a
+//         register of 16 bytes unpacks into the group's 32 codes in order with two ANDs).
+//   int8: w = code * scale, codes -127..127 (GGUF Q8_0's grid).
+// Two ways to multiply, both accumulating in fp32:
+//   * kF32: dequantize each weight group in registers and FMA it with the fp32 activations;
+//   * kInt8: quantize each activation row per group of 32 to int8 (scale = max|x| / 127,
+//     round to nearest even, as GGUF Q8_1) and take integer dot products of the codes
+//     (AVX2 vpmaddubsw, NEON sdot), scaled once per group; the int4 min term uses the
+//     group's activation sum. Fewer instructions per weight, at the price of the activation
+//     rounding.
+// Plain C++ (no torch): tests/cpu_isa/driver.cpp checks every path against the scalar one.
+#pragma once
+
+#include <cstdint>
+
+#include "isa.h"
+
+namespace core_cpu {
+
+constexpr int64_t kQuantGroup = 32;
+
+enum class ActMode : int { kF32 = 0, kInt8 = 1 };
+
+struct QuantWeights {
+  int bits;              // 4 or 8
+  const uint8_t* codes;  // int4: [N, K / 2]; int8: [N, K] (int8 values)
+  const float* scales;   // [N, K / 32]
+  const float* mins;     // int4: [N, K / 32]; int8: unused
+  int64_t n, k;
+};
+
+// Activation rows quantized by quantize_rows (ActMode::kInt8).
+struct QuantActs {
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, K / 32] scales
+  const float* s;   // [M, K / 32] d * sum of the group's codes (the int4 min term)
+};
+
+// Rows [m0, m1) of x [*, K] (row stride ldx) into q/d/s laid out as QuantActs (stride K).
+void quantize_rows(Isa isa, const float* x, int64_t ldx, int64_t k, int64_t m0, int64_t m1, int8_t* q, float* d,
+                   float* s);
+
+// out[m, n] for m in [m0, m1), n in [n0, n1); out row stride ldo.
+void quant_gemm_f32(Isa isa, float* out, int64_t ldo, const float* x, int64_t ldx, int64_t m0, int64_t m1,
+                    const QuantWeights& w, int64_t n0, int64_t n1);
+void quant_gemm_int8(Isa isa, float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
+                     const QuantWeights& w, int64_t n0, int64_t n1);
+
+}  // namespace core_cpu
