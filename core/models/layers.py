@@ -441,6 +441,38 @@ class RMSNorm(nn.Module):
         _copy_into(self.weight.data, tensor, name)
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a feature dimension that tensor parallelism splits across ranks (OLMo-2's
+    q/k norm over all heads at once): each rank holds ``size`` features starting at ``start``
+    of the ``full_size`` ones; the mean square is all-reduced, so the result equals the
+    unsharded norm's slice.
+
+    :param replicas: how many ranks hold each feature (KV heads replicated because there are
+        fewer than ranks); the all-reduced sum is divided by it.
+    """
+
+    def __init__(
+        self, full_size: int, eps: float, ctx: ModelContext, start: int = 0,
+        size: int | None = None, replicas: int = 1,
+    ):
+        super().__init__()
+        self.comm, self.ops, self.eps = ctx.comm, ctx.ops, eps
+        self.full_size, self.start, self.replicas = full_size, start, replicas
+        self.weight = _param(ctx, size if size is not None else full_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, size] (this rank's features) -> normed, same shape and dtype."""
+        if self.comm.world_size == 1:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        sum_sq = self.comm.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.replicas
+        return (xf * torch.rsqrt(sum_sq / self.full_size + self.eps) * self.weight.float()).to(x.dtype)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        n = self.weight.shape[0]
+        _copy_into(self.weight.data, tensor.narrow(0, self.start, n), name)
+
+
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The RoPE settings of an HF config as one dict with at least rope_type and rope_theta.
 

@@ -203,15 +203,19 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, a: LlamaArgs, ctx: ModelContext, attention_cls: type[nn.Module], make_mlp: MakeMLP
+        self,
+        a: LlamaArgs,
+        ctx: ModelContext,
+        attention_cls: type[nn.Module],
+        make_mlp: MakeMLP,
+        layer_cls: type[nn.Module],
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ctx)
         # One cos/sin table shared by every layer (it is [max_position, rotary_dim] floats).
         rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.max_position, a.rope, ctx)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, ctx, rotary, i, attention_cls, make_mlp)
-            for i in range(a.num_layers)
+            layer_cls(a, ctx, rotary, i, attention_cls, make_mlp) for i in range(a.num_layers)
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
 
@@ -225,8 +229,8 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, metadata)
-        x, _ = self.norm(x, residual)
-        return x
+        # A layer returns residual None when its output already is the residual stream.
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -234,7 +238,8 @@ class LlamaForCausalLM(nn.Module):
 
     Llama-shaped families reuse it: ``args`` replaces the values read from ``hf_config``
     (biases, sliding windows), ``attention_cls`` the attention block (Qwen3's q/k norm) and
-    ``make_mlp(args, ctx, layer)`` each layer's feed-forward block (MoE families).
+    ``make_mlp(args, ctx, layer)`` each layer's feed-forward block (MoE families) and
+    ``layer_cls`` the decoder layer (OLMo-2's post-norms), called like LlamaDecoderLayer.
     """
 
     def __init__(
@@ -244,10 +249,17 @@ class LlamaForCausalLM(nn.Module):
         args: LlamaArgs | None = None,
         attention_cls: type[nn.Module] | None = None,
         make_mlp: MakeMLP | None = None,
+        layer_cls: type[nn.Module] | None = None,
     ):
         super().__init__()
         self.args = args if args is not None else LlamaArgs.from_hf(hf_config)
-        self.model = LlamaModel(self.args, ctx, attention_cls or LlamaAttention, make_mlp or dense_mlp)
+        self.model = LlamaModel(
+            self.args,
+            ctx,
+            attention_cls or LlamaAttention,
+            make_mlp or dense_mlp,
+            layer_cls or LlamaDecoderLayer,
+        )
         tied = self.model.embed_tokens if self.args.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size, ctx, tied=tied)
 

@@ -41,6 +41,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         {**TINY_LLAMA, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
          "pad_token_id": 0},
     ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**TINY_LLAMA, "pad_token_id": 0}),
 }
 
 CASES: dict[str, tuple[str, dict]] = {
@@ -59,6 +60,10 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
     "olmoe-top2": ("olmoe", {}),
     "olmoe-clip-top1": ("olmoe", dict(clip_qkv=0.5, num_experts_per_tok=1)),
+    "olmo2": ("olmo2", {}),
+    "olmo2-mha-tied": ("olmo2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    # one KV head on two ranks: the full-width k norm must not count the replica twice
+    "olmo2-mqa": ("olmo2", dict(num_key_value_heads=1)),
 }
 
 
@@ -98,7 +103,7 @@ def test_engine_greedy_matches_transformers(tmp_path, case):
     assert_all_blocks_free(pressed)
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe-shared", "olmoe-top2"])
+@pytest.mark.parametrize("case", ["qwen2_moe-shared", "olmoe-top2", "olmo2", "olmo2-mqa"])
 def test_two_ranks_equal_one_rank(tmp_path, case):
     path = tiny_dir(tmp_path, case)
     single = run_schedule(load_tiny(path), vocab=VOCAB, decode_steps=2)
