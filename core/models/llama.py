@@ -52,6 +52,10 @@ class LlamaArgs:
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: attend to the last N positions only, or None (full attention)."""
+    attn_scale: float | None = None
+    """Softmax scale; None: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_soft_cap: float | None = None
+    """Attention logit soft-cap (Gemma 2), or None."""
 
     @classmethod
     def from_hf(cls, c: Any) -> LlamaArgs:
@@ -138,6 +142,8 @@ class LlamaAttention(nn.Module):
             dtype=ctx.dtype,
             block_size=ctx.block_size,
             sliding_window=a.sliding_windows[layer],
+            scale=a.attn_scale,
+            logits_soft_cap=a.attn_soft_cap,
         )
         self.attn = ctx.make_attention(self.spec)
 

@@ -42,6 +42,20 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
          "pad_token_id": 0},
     ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**TINY_LLAMA, "pad_token_id": 0}),
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {**TINY_LLAMA, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6,
+         "pad_token_id": 0, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        {**TINY_LLAMA, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 16,
+         "sliding_window": 5, "pad_token_id": 0, "sliding_window_pattern": 2,
+         "rope_parameters": {
+             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+         }},
+    ),
 }
 
 CASES: dict[str, tuple[str, dict]] = {
@@ -64,6 +78,16 @@ CASES: dict[str, tuple[str, dict]] = {
     "olmo2-mha-tied": ("olmo2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     # one KV head on two ranks: the full-width k norm must not count the replica twice
     "olmo2-mqa": ("olmo2", dict(num_key_value_heads=1)),
+    # soft caps low enough to bite on these logits; layers alternate window 6 / full
+    "gemma2-capped": ("gemma2", {}),
+    "gemma2-mqa-uncapped": (
+        "gemma2", dict(num_key_value_heads=1, attn_logit_softcapping=None, final_logit_softcapping=None)
+    ),
+    "gemma3-local-global": ("gemma3", {}),
+    # transformers' Gemma 3 applies only the final cap (its attention drops the other)
+    "gemma3-capped-mha": (
+        "gemma3", dict(num_key_value_heads=4, attn_logit_softcapping=3.0, final_logit_softcapping=8.0)
+    ),
 }
 
 
@@ -103,7 +127,7 @@ def test_engine_greedy_matches_transformers(tmp_path, case):
     assert_all_blocks_free(pressed)
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe-shared", "olmoe-top2", "olmo2", "olmo2-mqa"])
+@pytest.mark.parametrize("case", ["qwen2_moe-shared", "olmoe-top2", "olmo2", "olmo2-mqa", "gemma3-local-global"])
 def test_two_ranks_equal_one_rank(tmp_path, case):
     path = tiny_dir(tmp_path, case)
     single = run_schedule(load_tiny(path), vocab=VOCAB, decode_steps=2)
