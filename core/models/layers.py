@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.models.rope import cos_sin_table
+
 if TYPE_CHECKING:
     from core.models import ModelContext
 
@@ -488,38 +490,12 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
-    """Per-pair rotation speeds [rotary_dim / 2] in float32 for one RoPE variant."""
-    base = float(params["rope_theta"])
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    inv_freq = 1.0 / (base**exponents)
-    kind = params["rope_type"]
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(params["factor"])
-    if kind == "llama3":
-        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
-        factor = float(params["factor"])
-        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_len = float(params.get("original_max_position_embeddings", max_position))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(medium, blended, out)
-    raise ValueError(
-        f"rope type {kind!r} is not supported; supported: default, linear, llama3 "
-        f"(from rope_parameters / rope_scaling in config.json)"
-    )
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary position embedding with a precomputed cos/sin table.
 
     The table ``cos_sin_cache`` is [max_position, rotary_dim] float32 (cos half, sin half),
-    the layout ``ctx.ops.rotary_embedding`` expects; positions must be < max_position.
+    the layout ``ctx.ops.rotary_embedding`` expects, built by :func:`core.models.rope.cos_sin_table`
+    for the RoPE variant in ``params``; positions must be < max_position.
     """
 
     def __init__(
@@ -534,9 +510,7 @@ class RotaryEmbedding(nn.Module):
         self.ops = ctx.ops
         self.head_size = head_size
         self.rotary_dim = rotary_dim
-        inv_freq = _inverse_frequencies(rotary_dim, params, max_position)
-        angles = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        cache = cos_sin_table(rotary_dim, params, max_position)  # every scaling variant
         self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
 
     def forward(
