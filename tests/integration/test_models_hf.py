@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
          "pad_token_id": 0},
     ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**TINY_LLAMA, "pad_token_id": 0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**TINY_LLAMA, "pad_token_id": 0}),
     "gemma2": (
         "Gemma2Config", "Gemma2ForCausalLM",
         {**TINY_LLAMA, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6,
@@ -78,6 +79,20 @@ CASES: dict[str, tuple[str, dict]] = {
     "olmo2-mha-tied": ("olmo2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     # one KV head on two ranks: the full-width k norm must not count the replica twice
     "olmo2-mqa": ("olmo2", dict(num_key_value_heads=1)),
+    "phi3": ("phi3", {}),
+    # LongRoPE: positions stay below original_max_position_embeddings (short factors), where
+    # HF's full-recompute reference and a paged cache agree; partial rotary, window, tied
+    "phi3-longrope-partial-window-tied": (
+        "phi3",
+        dict(
+            original_max_position_embeddings=128, max_position_embeddings=512, sliding_window=9,
+            tie_word_embeddings=True, num_key_value_heads=1,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.9, 2.2], "long_factor": [3.0, 5.0, 7.0, 9.0],
+            },
+        ),
+    ),
     # soft caps low enough to bite on these logits; layers alternate window 6 / full
     "gemma2-capped": ("gemma2", {}),
     "gemma2-mqa-uncapped": (
@@ -127,7 +142,7 @@ def test_engine_greedy_matches_transformers(tmp_path, case):
     assert_all_blocks_free(pressed)
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe-shared", "olmoe-top2", "olmo2", "olmo2-mqa", "gemma3-local-global"])
+@pytest.mark.parametrize("case", ["qwen2_moe-shared", "olmoe-top2", "olmo2", "olmo2-mqa", "gemma3-local-global", "phi3"])
 def test_two_ranks_equal_one_rank(tmp_path, case):
     path = tiny_dir(tmp_path, case)
     single = run_schedule(load_tiny(path), vocab=VOCAB, decode_steps=2)
