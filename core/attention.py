@@ -41,6 +41,15 @@ class AttentionSpec:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_size)
 
 
+def shared_sliding_window(specs: list[AttentionSpec]) -> int | None:
+    """The window within which every layer attends (the widest one), or None when some layer
+    attends to everything: KV positions before it are dead for the whole model."""
+    windows = [s.sliding_window for s in specs]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Device-neutral description of one step's batch, built by the model runner.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import LLM
+from core import LLM, SamplingParams
 from tests.helpers import TINY_LLAMA, hf_logits, load_tiny, run_ranks, run_schedule, save_tiny_model
 from tests.integration.test_engine_hf import assert_all_blocks_free, hf_greedy, random_prompts, run
 
@@ -152,3 +152,46 @@ def test_two_ranks_equal_one_rank(tmp_path, case):
         for s, (toks, logits) in result.items():
             assert toks == single[s][0]
             torch.testing.assert_close(logits, single[s][1], rtol=1e-5, atol=1e-5)
+
+
+# ---- sliding windows: KV blocks that slid out of every layer's window are freed ------------------
+
+
+def _peak_blocks_held(llm: LLM, prompts, max_new: int) -> tuple[int, list[list[int]]]:
+    """Run to completion step by step; the most blocks ever held at once, and the outputs."""
+    engine, bm = llm.engine, llm.engine.block_manager
+    sp = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    ids = [engine.add_request(None, p, sp, final_only=True) for p in prompts]
+    peak, done = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = list(out.outputs[0].token_ids)
+        peak = max(peak, bm.num_usable_blocks - bm.num_free_blocks)
+        bm.check_invariants()
+    return peak, [done[i] for i in ids]
+
+
+def test_window_bounds_kv_blocks_of_sequences_8x_longer(tmp_path):
+    from tests.helpers import tiny_model_dir
+
+    window, bs, max_new = 16, 16, 140
+    path = tiny_model_dir(tmp_path, "mistral", sliding_window=window, seed=7)
+    prompts = random_prompts(3, VOCAB, seed=8, lo=20, hi=36)
+    assert all(len(p) + max_new > 8 * window for p in prompts)
+    expected = hf_greedy(path, prompts, max_new)
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=bs,
+              num_blocks_override=40, max_num_batched_tokens=24, enable_prefix_caching=True)
+    assert llm.engine.block_manager.sliding_window == window
+    peak, outs = _peak_blocks_held(llm, prompts, max_new)
+    assert outs == expected
+    # each sequence holds at most window/bs + 1 blocks, plus 2 for a 24-token prefill chunk;
+    # without freeing the three would end holding 3 x 11 = 33
+    full = sum(-(-(len(p) + max_new) // bs) for p in prompts)
+    assert peak <= len(prompts) * (window // bs + 1) + 2 < full
+    assert_all_blocks_free(llm)
+
+
+def test_mixed_local_and_global_layers_free_nothing(tmp_path):
+    path = tiny_dir(tmp_path, "gemma2-capped")
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16)
+    assert llm.engine.block_manager.sliding_window is None  # the global layers need everything
