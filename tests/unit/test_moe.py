@@ -157,3 +157,17 @@ def test_a_backend_without_soft_capping_refuses_such_a_layer():
 
     with pytest.raises(ValueError, match="'nocap' does not implement attention logit soft-capping"):
         NoCap(AttentionSpec(2, 2, 8, torch.float32, 16, logits_soft_cap=50.0))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("tokens,experts,k", [(1, 4, 1), (29, 8, 2), (5, 16, 4)])
+def test_grouped_gemm_moe_equals_the_reference(tokens, experts, k):
+    """The CUDA platform's sync-free formulation, run wherever torch._grouped_mm exists (CPU
+    here); experts without tokens (most of them when tokens * k < experts) are empty groups."""
+    from platforms.cuda.moe import grouped_fused_moe
+
+    x = rand(tokens, 32, seed=17)
+    w13, w2 = rand(experts, 48, 32, seed=18) * 0.3, rand(experts, 32, 24, seed=19) * 0.3
+    weights, ids = select_experts(rand(tokens, experts, seed=20), k, renormalize=False)
+    got = grouped_fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
