@@ -4,7 +4,7 @@ Same contract and result as :func:`core.ops.fused_moe` (weighted sum accumulated
 without a host sync: per-expert token counts come from a ``scatter_add_`` on the device and
 become the grouped GEMM's end offsets, so the op can sit inside a captured decode graph.
 ``torch._grouped_mm`` runs its CUTLASS kernel for bf16 on Hopper (sm90) and newer; other
-dtypes and devices go to the reference.
+dtypes and devices go to the reference (eager) or to a dense sync-free form (under capture).
 """
 
 from __future__ import annotations
@@ -54,6 +54,26 @@ def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
+def dense_fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Every expert over every token, weighted by a dense [T, E] routing matrix (zero for
+    experts not chosen): E times the FLOPs but no host sync, for graph capture of dtypes the
+    grouped GEMM does not take (decode batches, where reading the weights dominates anyway)."""
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float32, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights.float())
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        h = torch.nn.functional.linear(x, w13[e])
+        y = torch.nn.functional.linear(reference.silu_and_mul(h), w2[e])
+        out += dense[:, e : e + 1] * y.float()
+    return out.to(x.dtype)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -61,7 +81,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """The ``fused_moe`` override: grouped GEMMs where they run, else the reference."""
+    """The ``fused_moe`` override: grouped GEMMs where they run; otherwise the reference,
+    or while a graph is being captured (the reference syncs) the dense formulation."""
     if _grouped_ok(x, w13, w2):
         return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return dense_fused_moe(x, w13, w2, topk_weights, topk_ids)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)

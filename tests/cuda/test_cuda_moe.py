@@ -66,6 +66,19 @@ def test_grouped_gemm_moe_captures_in_a_cuda_graph():
     assert not torch.equal(out, want)  # the replay used the new routing
 
 
+def test_fp32_moe_captures_through_the_dense_fallback():
+    gen = torch.Generator().manual_seed(1)
+    x = rand((4, 64), gen).cuda()
+    w13, w2 = rand((8, 96, 64), gen, 0.1).cuda(), rand((8, 64, 48), gen, 0.1).cuda()
+    weights, ids = select_experts(rand((4, 8), gen).cuda(), 2, renormalize=True)
+    want = ref.fused_moe(x, w13, w2, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w13, w2, weights, ids)
+    graph.replay()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["mixtral-top2", "qwen2_moe-shared", "qwen3_moe-top2",
                                   "olmoe-top2", "olmo2", "phi3", "gemma3-local-global"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -171,3 +171,14 @@ def test_grouped_gemm_moe_equals_the_reference(tokens, experts, k):
     weights, ids = select_experts(rand(tokens, experts, seed=20), k, renormalize=False)
     got = grouped_fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got, fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_fallback_equals_the_reference():
+    """The CUDA platform's capture-safe fallback (every expert over every token)."""
+    from platforms.cuda.moe import dense_fused_moe
+
+    x = rand(11, 16, seed=21)
+    w13, w2 = rand(6, 40, 16, seed=22) * 0.3, rand(6, 16, 20, seed=23) * 0.3
+    weights, ids = select_experts(rand(11, 6, seed=24), 2, renormalize=True)
+    got = dense_fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
