@@ -443,7 +443,7 @@ class RMSNorm(nn.Module):
         _copy_into(self.weight.data, tensor, name)
 
 
-class ShardedRMSNorm(nn.Module):
+class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a feature dimension that tensor parallelism splits across ranks (OLMo-2's
     q/k norm over all heads at once): each rank holds ``size`` features starting at ``start``
     of the ``full_size`` ones; the mean square is all-reduced, so the result equals the
@@ -451,18 +451,20 @@ class ShardedRMSNorm(nn.Module):
 
     :param replicas: how many ranks hold each feature (KV heads replicated because there are
         fewer than ranks); the all-reduced sum is divided by it.
+
+    A subclass so that whatever treats norms as norms (dummy weights: scale 1) sees it; it
+    takes no residual.
     """
 
     def __init__(
         self, full_size: int, eps: float, ctx: ModelContext, start: int = 0,
         size: int | None = None, replicas: int = 1,
     ):
-        super().__init__()
-        self.comm, self.ops, self.eps = ctx.comm, ctx.ops, eps
+        super().__init__(size if size is not None else full_size, eps, ctx)
+        self.comm = ctx.comm
         self.full_size, self.start, self.replicas = full_size, start, replicas
-        self.weight = _param(ctx, size if size is not None else full_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor:
         """x [T, size] (this rank's features) -> normed, same shape and dtype."""
         if self.comm.world_size == 1:
             return self.ops.rms_norm(x, self.weight, self.eps)
