@@ -32,10 +32,22 @@ class AttentionSpec:
     """Softmax scale; None means 1/sqrt(head_size)."""
     sliding_window: int | None = None
     """Attend only to the last ``sliding_window`` positions (inclusive of self)."""
+    logits_soft_cap: float | None = None
+    """Scaled scores ``s`` become ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2);
+    None: no capping. Only backends with ``supports_logits_soft_cap`` accept it."""
 
     @property
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_size)
+
+
+def shared_sliding_window(specs: list[AttentionSpec]) -> int | None:
+    """The window within which every layer attends (the widest one), or None when some layer
+    attends to everything: KV positions before it are dead for the whole model."""
+    windows = [s.sliding_window for s in specs]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 @dataclass(frozen=True)
@@ -89,8 +101,18 @@ class AttentionBackend(ABC):
     """
 
     name: str = "unnamed"
+    supports_logits_soft_cap: bool = False
+    """Whether :meth:`forward` applies ``spec.logits_soft_cap``; a backend that does not is
+    refused for such a layer instead of silently attending without the cap."""
 
     def __init__(self, spec: AttentionSpec):
+        if spec.logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(
+                f"attention backend {self.name!r} does not implement attention logit "
+                f"soft-capping (logits_soft_cap={spec.logits_soft_cap}, e.g. Gemma 2's "
+                f"attn_logit_softcapping); run this model on a platform whose backend does "
+                f"(the CPU platform's torch path)"
+            )
         self.spec = spec
 
     # ---- layout -----------------------------------------------------------------
@@ -218,6 +240,7 @@ def reference_attention(
     query_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Naive causal attention per sequence, in float64.
 
@@ -235,6 +258,8 @@ def reference_attention(
         kk = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
         vv = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,shd->hqs", q, kk) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         qpos = torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
         kpos = torch.arange(seq_len).unsqueeze(0)
         mask = kpos > qpos

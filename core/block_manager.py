@@ -21,6 +21,11 @@ runner. Its vocabulary:
   serves one model, so nothing else changes a block's content.
 * **Host pool** (``num_host_blocks``): swapped-out sequences keep their KV there. Host
   blocks are never shared.
+* **Sliding window** (``sliding_window``, set only when *every* attention layer of the model
+  attends within that window): a block whose positions all lie before the window of the
+  sequence's next token is never read again, so :meth:`append_slots` releases it and its
+  table entry becomes the null block (``DROPPED`` in a host table). A long sequence then
+  holds about ``window / block_size + 1`` blocks plus the step's new tokens.
 
 Every block except the null block is at any time either free (in exactly one of the two
 free pools) or referenced by at least one block table, never both; see
@@ -36,6 +41,8 @@ from collections.abc import Sequence
 
 NULL_BLOCK = 0
 """Reserved block id: never allocated, safe target for padding reads and writes."""
+DROPPED = -1
+"""Host-table entry of a block that slid out of the window before the swap-out."""
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -59,6 +66,8 @@ class BlockManager:
     :param block_size: tokens per block.
     :param enable_prefix_caching: reuse computed full blocks across sequences.
     :param num_host_blocks: size of the host pool for swapping (0 = swapping impossible).
+    :param sliding_window: the window all attention layers share (None: some layer attends
+        to everything, nothing is ever dropped).
 
     Prefix-cache counters are in **tokens**: ``prefix_cache_queries`` adds the number of
     tokens a sequence knows when it is allocated (prompt plus any outputs, on every
@@ -72,7 +81,10 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 2:
@@ -86,6 +98,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self._dropped: dict[int, int] = {}
+        """Per sequence: how many leading table entries slid out of the window (now null)."""
         self._ref = [0] * num_blocks
         self._fresh: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
         """Free blocks without cached content (popped from the end: low ids first)."""
@@ -230,7 +245,12 @@ class BlockManager:
         return cached
 
     def num_blocks_to_append(self, seq_id: int, num_computed: int, num_tokens: int) -> int:
-        """Free blocks :meth:`append_slots` would consume (new blocks + copies)."""
+        """Free blocks :meth:`append_slots` would consume (new blocks + copies).
+
+        Gross of the blocks it first frees because they slid out of the window: callers
+        treat 0 as "append_slots need not be called", which must stay true only when the
+        table already covers ``num_tokens``.
+        """
         table = self._tables[seq_id]
         end = self.blocks_for(num_tokens)
         shared = sum(1 for b in table[num_computed // self.block_size : end] if self._ref[b] > 1)
@@ -247,6 +267,7 @@ class BlockManager:
         :return: ``(src, dst)`` copy-on-write pairs the runner must copy before the forward.
         :raises NoFreeBlocksError: if the free pool is short; nothing is changed then.
         """
+        self._drop_slid_out(seq_id, num_computed)
         need = self.num_blocks_to_append(seq_id, num_computed, num_tokens)
         self._check_free(need, f"appending to sequence {seq_id} up to {num_tokens} tokens")
         table = self._tables[seq_id]
@@ -261,6 +282,20 @@ class BlockManager:
         while len(table) < end:
             table.append(self._take_fresh())
         return pairs
+
+    def _drop_slid_out(self, seq_id: int, num_computed: int) -> None:
+        """Release the leading blocks no position from ``num_computed`` on attends to (the
+        earliest of those sees back to ``num_computed - window + 1``); their table entries
+        become the null block."""
+        if self.sliding_window is None:
+            return
+        table = self._tables[seq_id]
+        first_live = min(len(table), max(0, num_computed - self.sliding_window + 1) // self.block_size)
+        for i in range(self._dropped.get(seq_id, 0), first_live):
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+        self._dropped[seq_id] = max(self._dropped.get(seq_id, 0), first_live)
 
     def cache_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the sequence's full blocks whose KV is computed (the first
@@ -277,7 +312,8 @@ class BlockManager:
         for i in range(len(hashes), min(num_computed // bs, len(table))):
             h = _chain_hash(hashes[-1] if hashes else b"", token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
-            self._register(table[i], h)
+            if table[i] != NULL_BLOCK:  # a dropped block's hash still extends the chain
+                self._register(table[i], h)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the parent's table; every block gains a reference."""
@@ -285,8 +321,11 @@ class BlockManager:
             raise ValueError(f"cannot fork into sequence {child_id}: it already holds blocks")
         table = self._tables[parent_id]
         for block in table:
-            self._ref[block] += 1
+            if block != NULL_BLOCK:
+                self._ref[block] += 1
         self._tables[child_id] = list(table)
+        if parent_id in self._dropped:
+            self._dropped[child_id] = self._dropped[parent_id]
         self._seq_hashes[child_id] = list(self._seq_hashes[parent_id])
 
     def free(self, seq_id: int) -> None:
@@ -297,17 +336,23 @@ class BlockManager:
         """
         if seq_id in self._tables:
             for block in reversed(self._tables.pop(seq_id)):
-                self._release(block)
+                if block != NULL_BLOCK:
+                    self._release(block)
         elif seq_id in self._host_tables:
-            self._host_free.extend(reversed(self._host_tables.pop(seq_id)))
+            self._host_free.extend(b for b in reversed(self._host_tables.pop(seq_id)) if b != DROPPED)
         else:
             raise KeyError(f"sequence {seq_id} holds no blocks (double free?)")
         self._seq_hashes.pop(seq_id, None)
+        self._dropped.pop(seq_id, None)
 
     # ------------------------------------------------------------------- swap
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return len(self._tables[seq_id]) <= len(self._host_free)
+        return self._live(self._tables[seq_id]) <= len(self._host_free)
+
+    @staticmethod
+    def _live(table: list[int]) -> int:
+        return sum(1 for b in table if b != NULL_BLOCK)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Move the sequence's table to host blocks; its device blocks are released.
@@ -316,20 +361,22 @@ class BlockManager:
             reused (the runner applies swap-outs first in a step).
         """
         table = self._tables[seq_id]
-        if len(table) > len(self._host_free):
+        live = self._live(table)
+        if live > len(self._host_free):
             raise NoFreeBlocksError(
-                f"swapping out sequence {seq_id} needs {len(table)} host blocks but only "
+                f"swapping out sequence {seq_id} needs {live} host blocks but only "
                 f"{len(self._host_free)} of {self.num_host_blocks} are free; raise --swap-space"
             )
         del self._tables[seq_id]
-        host = [self._host_free.pop() for _ in table]
+        host = [DROPPED if b == NULL_BLOCK else self._host_free.pop() for b in table]
         for block in reversed(table):
-            self._release(block)
+            if block != NULL_BLOCK:
+                self._release(block)
         self._host_tables[seq_id] = host
-        return list(zip(table, host))
+        return [(d, h) for d, h in zip(table, host) if d != NULL_BLOCK]
 
     def num_blocks_to_swap_in(self, seq_id: int) -> int:
-        return len(self._host_tables[seq_id])
+        return sum(1 for b in self._host_tables[seq_id] if b != DROPPED)
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Bring a swapped sequence back into fresh device blocks; host blocks are released.
@@ -340,15 +387,16 @@ class BlockManager:
         :return: ``(host block, device block)`` pairs to copy before the forward.
         """
         host = self._host_tables[seq_id]
-        self._check_free(len(host), f"swapping in sequence {seq_id}")
+        self._check_free(self.num_blocks_to_swap_in(seq_id), f"swapping in sequence {seq_id}")
         del self._host_tables[seq_id]
-        table = [self._take_fresh() for _ in host]
+        table = [NULL_BLOCK if b == DROPPED else self._take_fresh() for b in host]
         self._tables[seq_id] = table
-        self._host_free.extend(reversed(host))
+        self._host_free.extend(b for b in reversed(host) if b != DROPPED)
         # The copies hold the same KV, so they may serve as cache entries again.
         for block, h in zip(table, self._seq_hashes[seq_id]):
-            self._register(block, h)
-        return list(zip(host, table))
+            if block != NULL_BLOCK:
+                self._register(block, h)
+        return [(h, d) for h, d in zip(host, table) if h != DROPPED]
 
     # -------------------------------------------------------------- internals
 
@@ -401,7 +449,7 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
-        held = Counter(b for t in self._tables.values() for b in t)
+        held = Counter(b for t in self._tables.values() for b in t if b != NULL_BLOCK)
         fresh, lru = set(self._fresh), set(self._evictable)
         assert len(fresh) == len(self._fresh), "a block is twice in the fresh free list"
         assert not fresh & lru, f"blocks in both free pools: {sorted(fresh & lru)}"
@@ -415,12 +463,16 @@ class BlockManager:
             )
         assert len(fresh) + len(lru) + len(held) == self.num_usable_blocks, "blocks lost"
         for seq_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
+            live = [b for b in table if b != NULL_BLOCK]
+            assert len(set(live)) == len(live), f"sequence {seq_id} holds a block twice"
+            dropped = self._dropped.get(seq_id, 0)
+            assert all(b == NULL_BLOCK for b in table[:dropped]), f"{seq_id}: dropped block held"
+            assert NULL_BLOCK not in table[dropped:], f"{seq_id}: null block inside the window"
         assert all(b in self._block_hash for b in lru), "uncached block in the LRU pool"
         assert not fresh & set(self._block_hash), "cached block in the fresh pool"
         assert {v: k for k, v in self._hash_to_block.items()} == self._block_hash
         assert self.enable_prefix_caching or not self._block_hash
-        host_held = [b for t in self._host_tables.values() for b in t]
+        host_held = [b for t in self._host_tables.values() for b in t if b != DROPPED]
         assert len(set(host_held)) == len(host_held), "a host block is in two tables"
         assert not set(host_held) & set(self._host_free), "host block free and held"
         assert len(set(self._host_free)) == len(self._host_free), "host block twice free"

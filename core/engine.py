@@ -144,7 +144,8 @@ class LLMEngine:
         self._warn_if_oversubscribed()
         c = config.cache
         self.block_manager = BlockManager(
-            self.kv_plan.num_blocks, c.block_size, c.enable_prefix_caching, self.kv_plan.num_host_blocks
+            self.kv_plan.num_blocks, c.block_size, c.enable_prefix_caching, self.kv_plan.num_host_blocks,
+            sliding_window=self.kv_plan.sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 
+from core.attention import shared_sliding_window
 from core.config import GiB
 from core.kv_plan import KVPlan, plan_kv_cache
 from core.model_runner import ModelRunner, ModelRunnerOutput, RunnerSetup
@@ -49,6 +50,7 @@ def plan_kv(runner: ModelRunner, used_bytes: int) -> KVPlan:
         max_model_len=cfg.model.max_model_len,
         swap_bytes=int(cfg.cache.swap_space * GiB),
         num_blocks_override=cfg.cache.num_blocks_override,
+        sliding_window=shared_sliding_window(runner.model.attention_specs()),
     )
 
 

@@ -16,6 +16,9 @@ class KVPlan:
     num_blocks: int
     num_host_blocks: int
     max_model_len: int
+    sliding_window: int | None = None
+    """The window every attention layer shares (see core.attention.shared_sliding_window):
+    the block manager frees blocks that slid out of it. None: no such window."""
 
     @property
     def tokens(self) -> int:
@@ -45,10 +48,14 @@ def plan_kv_cache(
     max_model_len: int,
     swap_bytes: int = 0,
     num_blocks_override: int | None = None,
+    sliding_window: int | None = None,
 ) -> KVPlan:
     """Blocks that fit ``budget_bytes``; refuse if one max_model_len sequence cannot fit."""
     num_blocks = num_blocks_override if num_blocks_override is not None else budget_bytes // bytes_per_block
-    plan = KVPlan(block_size, bytes_per_block, num_blocks, swap_bytes // bytes_per_block, max_model_len)
+    plan = KVPlan(
+        block_size, bytes_per_block, num_blocks, swap_bytes // bytes_per_block, max_model_len,
+        sliding_window,
+    )
     need = plan.blocks_per_max_len_seq + 1  # block 0 is the reserved null block
     if num_blocks < need:
         need_bytes = need * bytes_per_block

@@ -35,6 +35,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*d] (gate then up) -> gelu_tanh(gate) * up, [..., d] (Gemma's GeGLU)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -76,13 +82,53 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden, weight).float()
 
 
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts feed-forward: ``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))``.
+
+    The reference groups the (token, choice) pairs by expert (a stable sort), runs one
+    matmul pair per expert that received tokens over its contiguous slice, and scatters the
+    weighted rows back with an fp32 accumulation.
+
+    :param x: [T, hidden]
+    :param w13: [E, 2 * ffn, hidden] per expert: gate rows then up rows (this rank's FFN slice)
+    :param w2: [E, hidden, ffn]
+    :param topk_weights: [T, K] float32 routing weights
+    :param topk_ids: [T, K] int64 expert ids in [0, E)
+    :return: [T, hidden] in ``x``'s dtype; a partial sum when the FFN dim is sharded
+    """
+    num_tokens, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    rows = order // k  # token of each sorted pair
+    xs = x.index_select(0, rows)  # [T*K, hidden], expert-contiguous
+    ys = torch.empty_like(xs)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            h = torch.nn.functional.linear(xs[start : start + n], w13[expert])
+            ys[start : start + n] = torch.nn.functional.linear(silu_and_mul(h), w2[expert])
+            start += n
+    weighted = ys.float() * topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, rows, weighted).to(x.dtype)
+
+
 DEFAULT_OPS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType(
     {
         "rms_norm": rms_norm,
         "fused_add_rms_norm": fused_add_rms_norm,
         "silu_and_mul": silu_and_mul,
+        "gelu_tanh_and_mul": gelu_tanh_and_mul,
         "rotary_embedding": rotary_embedding,
         "lm_head": lm_head,
+        "fused_moe": fused_moe,
     }
 )
 

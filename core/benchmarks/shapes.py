@@ -18,6 +18,21 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, rope_theta=500000.0,
     ),
+    # MoE shapes (issue 21): every expert's weights, bf16 ~93 GB / ~61 GB, one H200 each.
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral",
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+        rope_theta=1e6, sliding_window=None,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+    ),
     # Same vocabulary and head layout in miniature: checks the pipeline on a CPU.
     "llama3-tiny": dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2,

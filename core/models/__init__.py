@@ -36,6 +36,14 @@ _BUILTIN: dict[str, str] = {
     "Qwen2ForCausalLM": "core.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "core.models.qwen3:Qwen3ForCausalLM",
     "GPT2LMHeadModel": "core.models.gpt2:GPT2LMHeadModel",
+    "MixtralForCausalLM": "core.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "core.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "core.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "core.models.olmoe:OlmoeForCausalLM",
+    "Olmo2ForCausalLM": "core.models.olmo2:Olmo2ForCausalLM",
+    "Gemma2ForCausalLM": "core.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "core.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "core.models.phi3:Phi3ForCausalLM",
 }
 
 

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.models.rope import cos_sin_table
+
 if TYPE_CHECKING:
     from core.models import ModelContext
 
@@ -441,6 +443,40 @@ class RMSNorm(nn.Module):
         _copy_into(self.weight.data, tensor, name)
 
 
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a feature dimension that tensor parallelism splits across ranks (OLMo-2's
+    q/k norm over all heads at once): each rank holds ``size`` features starting at ``start``
+    of the ``full_size`` ones; the mean square is all-reduced, so the result equals the
+    unsharded norm's slice.
+
+    :param replicas: how many ranks hold each feature (KV heads replicated because there are
+        fewer than ranks); the all-reduced sum is divided by it.
+
+    A subclass so that whatever treats norms as norms (dummy weights: scale 1) sees it; it
+    takes no residual.
+    """
+
+    def __init__(
+        self, full_size: int, eps: float, ctx: ModelContext, start: int = 0,
+        size: int | None = None, replicas: int = 1,
+    ):
+        super().__init__(size if size is not None else full_size, eps, ctx)
+        self.comm = ctx.comm
+        self.full_size, self.start, self.replicas = full_size, start, replicas
+
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor:
+        """x [T, size] (this rank's features) -> normed, same shape and dtype."""
+        if self.comm.world_size == 1:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        sum_sq = self.comm.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.replicas
+        return (xf * torch.rsqrt(sum_sq / self.full_size + self.eps) * self.weight.float()).to(x.dtype)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+        n = self.weight.shape[0]
+        _copy_into(self.weight.data, tensor.narrow(0, self.start, n), name)
+
+
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The RoPE settings of an HF config as one dict with at least rope_type and rope_theta.
 
@@ -456,38 +492,12 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
-    """Per-pair rotation speeds [rotary_dim / 2] in float32 for one RoPE variant."""
-    base = float(params["rope_theta"])
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    inv_freq = 1.0 / (base**exponents)
-    kind = params["rope_type"]
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(params["factor"])
-    if kind == "llama3":
-        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
-        factor = float(params["factor"])
-        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_len = float(params.get("original_max_position_embeddings", max_position))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(medium, blended, out)
-    raise ValueError(
-        f"rope type {kind!r} is not supported; supported: default, linear, llama3 "
-        f"(from rope_parameters / rope_scaling in config.json)"
-    )
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary position embedding with a precomputed cos/sin table.
 
     The table ``cos_sin_cache`` is [max_position, rotary_dim] float32 (cos half, sin half),
-    the layout ``ctx.ops.rotary_embedding`` expects; positions must be < max_position.
+    the layout ``ctx.ops.rotary_embedding`` expects, built by :func:`core.models.rope.cos_sin_table`
+    for the RoPE variant in ``params``; positions must be < max_position.
     """
 
     def __init__(
@@ -502,9 +512,7 @@ class RotaryEmbedding(nn.Module):
         self.ops = ctx.ops
         self.head_size = head_size
         self.rotary_dim = rotary_dim
-        inv_freq = _inverse_frequencies(rotary_dim, params, max_position)
-        angles = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        cache = cos_sin_table(rotary_dim, params, max_position)  # every scaling variant
         self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
 
     def forward(

@@ -9,7 +9,7 @@ aware (see :mod:`core.models.layers`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,10 @@ class LlamaArgs:
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: attend to the last N positions only, or None (full attention)."""
+    attn_scale: float | None = None
+    """Softmax scale; None: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_soft_cap: float | None = None
+    """Attention logit soft-cap (Gemma 2), or None."""
 
     @classmethod
     def from_hf(cls, c: Any) -> LlamaArgs:
@@ -97,17 +101,28 @@ def layer_sliding_windows(c: Any) -> tuple[int | None, ...]:
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up are one column-parallel matmul."""
+    """down(silu(gate(x)) * up(x)); gate and up are one column-parallel matmul.
 
-    def __init__(self, a: LlamaArgs, ctx: ModelContext):
+    :param intermediate_size: overrides ``a.intermediate_size`` (MoE shared experts).
+    """
+
+    def __init__(self, a: LlamaArgs, ctx: ModelContext, intermediate_size: int | None = None):
         super().__init__()
         self.ops = ctx.ops
-        sizes = [a.intermediate_size] * 2
-        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, sizes, ctx, bias=a.mlp_bias)
-        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, ctx, bias=a.mlp_bias)
+        size = intermediate_size or a.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [size] * 2, ctx, bias=a.mlp_bias)
+        self.down_proj = RowParallelLinear(size, a.hidden_size, ctx, bias=a.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+MakeMLP = Callable[[LlamaArgs, ModelContext, int], nn.Module]
+"""Builds layer ``i``'s feed-forward block."""
+
+
+def dense_mlp(a: LlamaArgs, ctx: ModelContext, layer: int) -> nn.Module:
+    return LlamaMLP(a, ctx)
 
 
 class LlamaAttention(nn.Module):
@@ -127,6 +142,8 @@ class LlamaAttention(nn.Module):
             dtype=ctx.dtype,
             block_size=ctx.block_size,
             sliding_window=a.sliding_windows[layer],
+            scale=a.attn_scale,
+            logits_soft_cap=a.attn_soft_cap,
         )
         self.attn = ctx.make_attention(self.spec)
 
@@ -165,12 +182,13 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         layer: int,
         attention_cls: type[nn.Module],
+        make_mlp: MakeMLP,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
         self.self_attn = attention_cls(a, ctx, rotary_emb, layer)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
-        self.mlp = LlamaMLP(a, ctx)
+        self.mlp = make_mlp(a, ctx, layer)
 
     def forward(
         self,
@@ -190,13 +208,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArgs, ctx: ModelContext, attention_cls: type[nn.Module]):
+    def __init__(
+        self,
+        a: LlamaArgs,
+        ctx: ModelContext,
+        attention_cls: type[nn.Module],
+        make_mlp: MakeMLP,
+        layer_cls: type[nn.Module],
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ctx)
         # One cos/sin table shared by every layer (it is [max_position, rotary_dim] floats).
         rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.max_position, a.rope, ctx)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, ctx, rotary, i, attention_cls) for i in range(a.num_layers)
+            layer_cls(a, ctx, rotary, i, attention_cls, make_mlp) for i in range(a.num_layers)
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
 
@@ -210,15 +235,17 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, metadata)
-        x, _ = self.norm(x, residual)
-        return x
+        # A layer returns residual None when its output already is the residual stream.
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
     """The registry entry for ``LlamaForCausalLM`` (see :mod:`core.models` for the contract).
 
     Llama-shaped families reuse it: ``args`` replaces the values read from ``hf_config``
-    (biases, sliding windows) and ``attention_cls`` the attention block (Qwen3's q/k norm).
+    (biases, sliding windows), ``attention_cls`` the attention block (Qwen3's q/k norm) and
+    ``make_mlp(args, ctx, layer)`` each layer's feed-forward block (MoE families) and
+    ``layer_cls`` the decoder layer (OLMo-2's post-norms), called like LlamaDecoderLayer.
     """
 
     def __init__(
@@ -227,10 +254,18 @@ class LlamaForCausalLM(nn.Module):
         ctx: ModelContext,
         args: LlamaArgs | None = None,
         attention_cls: type[nn.Module] | None = None,
+        make_mlp: MakeMLP | None = None,
+        layer_cls: type[nn.Module] | None = None,
     ):
         super().__init__()
         self.args = args if args is not None else LlamaArgs.from_hf(hf_config)
-        self.model = LlamaModel(self.args, ctx, attention_cls or LlamaAttention)
+        self.model = LlamaModel(
+            self.args,
+            ctx,
+            attention_cls or LlamaAttention,
+            make_mlp or dense_mlp,
+            layer_cls or LlamaDecoderLayer,
+        )
         tied = self.model.embed_tokens if self.args.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size, ctx, tied=tied)
 

@@ -27,6 +27,7 @@ from platforms.cpu.kernels import load_kernels
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu_sdpa"
+    supports_logits_soft_cap = True  # in plain torch (_attend, _decode), not in SDPA
 
     @staticmethod
     def kv_cache_shape(
@@ -62,9 +63,7 @@ class CpuAttentionBackend(AttentionBackend):
             q = query[s:e].transpose(0, 1)  # [H, q, D]
             if ctx == 0 and window is None:
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.spec.softmax_scale, enable_gqa=True
-                )
+                o = self._attend(q, k, v, torch.ones(e - s, e - s, dtype=torch.bool).tril())
             else:
                 k, v = self._gather_one(kv_cache, md.block_tables[i], ctx + e - s)
                 qpos = torch.arange(ctx, ctx + e - s).unsqueeze(1)
@@ -72,10 +71,24 @@ class CpuAttentionBackend(AttentionBackend):
                 allowed = kpos <= qpos
                 if window is not None:
                     allowed &= kpos > qpos - window
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=allowed, scale=self.spec.softmax_scale, enable_gqa=True
-                )
+                o = self._attend(q, k, v, allowed)
             out[s:e] = o.transpose(0, 1).to(out.dtype)
+
+    def _attend(self, q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+        """q [H, q, D], k/v [KVH, L, D], allowed [q, L] -> [H, q, D]; SDPA unless the
+        spec soft-caps the logits (SDPA cannot), then the same in plain torch."""
+        cap = self.spec.logits_soft_cap
+        if cap is None:
+            causal = allowed.shape[0] == allowed.shape[1] and self.spec.sliding_window is None
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if causal else allowed, is_causal=causal,
+                scale=self.spec.softmax_scale, enable_gqa=True,
+            )
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * self.spec.softmax_scale
+        scores = (cap * torch.tanh(scores / cap)).masked_fill_(~allowed, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
     def _gather_one(self, kv_cache, block_table, length: int):
         """Keys/values of positions [0, length) of one sequence as [kvh, length, D]."""
@@ -111,6 +124,9 @@ class CpuAttentionBackend(AttentionBackend):
         v = flat[1].index_select(0, slots.reshape(-1)).view(b, max_len, kvh, d).transpose(1, 2)
         q = query.view(b, kvh, group, d).to(k.dtype)
         scores = torch.matmul(q, k).float() * self.spec.softmax_scale  # [B, KVH, G, L]
+        if self.spec.logits_soft_cap is not None:
+            cap = self.spec.logits_soft_cap
+            scores = cap * torch.tanh(scores / cap)
         masked = pos.unsqueeze(0) >= seq_lens.unsqueeze(1)  # [B, L]
         if self.spec.sliding_window is not None:
             masked |= pos.unsqueeze(0) < (seq_lens - self.spec.sliding_window).unsqueeze(1)
@@ -170,6 +186,7 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
             self._heads_are_rows(query) and self._heads_are_rows(out)
             and query.dtype == kv_cache.dtype and out.dtype == kv_cache.dtype
             and tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+            and self.spec.logits_soft_cap is None  # the kernel does not cap logits
         )
         if not fits:
             super()._decode_into(out, query, kv_cache, md)
@@ -195,6 +212,7 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
             self._heads_are_rows(q) and self._heads_are_rows(o)
             and q.dtype == kv_cache.dtype and o.dtype == kv_cache.dtype
             and tables.dtype == torch.int32
+            and self.spec.logits_soft_cap is None  # the kernel does not cap logits
         )
         if not fits:
             super()._prefill(query, key, value, kv_cache, md, out)

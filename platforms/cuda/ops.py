@@ -15,6 +15,7 @@ import torch
 
 from core import ops as reference
 from platforms.cuda.build import load_ops
+from platforms.cuda.moe import fused_moe
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -105,4 +106,5 @@ def cuda_ops() -> dict[str, Callable[..., Any]]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
+        "fused_moe": fused_moe,
     }

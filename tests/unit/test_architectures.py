@@ -79,6 +79,14 @@ def test_registry_lists_every_builtin_architecture():
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "GPT2LMHeadModel",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "OlmoeForCausalLM",
+        "Olmo2ForCausalLM",
     ):
         assert arch in names
         assert ModelRegistry().resolve(arch).__name__ == arch

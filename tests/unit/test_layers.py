@@ -96,10 +96,36 @@ def test_rms_norm_matches_naive_and_fuses_residual():
 # ---- rotary ------------------------------------------------------------------------------------
 
 
+HALF = 8  # head_dim 16: 8 rotation frequencies
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0},
     "llama3": LLAMA3_ROPE,
+    # positions below max_position_embeddings: HF's dynamic frequencies are the default ones
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 64},
+    "yarn-mscale-untruncated": {
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "mscale": 0.7,
+        "mscale_all_dim": 1.3, "beta_fast": 16, "beta_slow": 2, "truncate": False,
+        "original_max_position_embeddings": 32,
+    },
+    "yarn-attention-factor": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "attention_factor": 1.5,
+        "original_max_position_embeddings": 128,
+    },
+    # short factors below position 64, long factors from there (two HF calls below)
+    "longrope": {
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(HALF)],
+        "long_factor": [2.0 + 0.5 * i for i in range(HALF)],
+    },
+    "longrope-attention-factor": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 0.8,
+        "original_max_position_embeddings": 100, "factor": 3.0,
+        "short_factor": [1.5] * HALF, "long_factor": [1.0 + i for i in range(HALF)],
+    },
 }
 
 
@@ -116,14 +142,20 @@ def test_rotary_matches_transformers(kind):
         rope_parameters=dict(ROPES[kind]),
     )
     rope = RotaryEmbedding(16, 16, 256, rope_parameters(cfg), ctx_for())
-    positions = torch.tensor([0, 1, 7, 63, 64, 100, 255])
-    q, k = rand(7, 4, 16, seed=1), rand(7, 2, 16, seed=2)
-    ours_q, ours_k = rope(positions, q, k)
-
-    cos, sin = LlamaRotaryEmbedding(cfg)(q, positions[None])
-    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    torch.testing.assert_close(ours_q, ref_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours_k, ref_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    orig = ROPES[kind].get("original_max_position_embeddings", 256)
+    # HF picks LongRoPE's factors from the longest position of a call: one call per side
+    every = [0, 1, 7, 63, 64, 100, 255]
+    for side in ([p for p in every if p < orig], [p for p in every if p >= orig]):
+        if not side:
+            continue
+        positions = torch.tensor(side)
+        q = rand(len(positions), 4, 16, seed=1)
+        k = rand(len(positions), 2, 16, seed=2)
+        ours_q, ours_k = rope(positions, q, k)
+        cos, sin = LlamaRotaryEmbedding(cfg)(q, positions[None])
+        ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        torch.testing.assert_close(ours_q, ref_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours_k, ref_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_rope_parameters_reads_transformers4_style_config():
@@ -138,10 +170,8 @@ def test_rope_parameters_reads_transformers4_style_config():
 
 
 def test_unknown_rope_type_is_refused_by_name():
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        RotaryEmbedding(
-            16, 16, 32, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2}, ctx_for()
-        )
+    with pytest.raises(ValueError, match="rope type 'mrope' is not supported; supported: default"):
+        RotaryEmbedding(16, 16, 32, {"rope_type": "mrope", "rope_theta": 1e4}, ctx_for())
 
 
 # ---- several ranks: sharded == unsharded ---------------------------------------------------------

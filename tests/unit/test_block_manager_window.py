@@ -1,0 +1,114 @@
+"""BlockManager with a sliding window: blocks that slid out of the window are released.
+
+Block size 4, window 6: a token at position p attends to positions > p - 6, so once the
+next position to compute is n, blocks wholly before ``n - 5`` are dead.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.block_manager import DROPPED, NULL_BLOCK, BlockManager
+
+
+def grow(bm: BlockManager, seq: int, start: int, end: int, step: int = 1) -> None:
+    """Compute positions [start, end) ``step`` tokens at a time, as the scheduler would."""
+    for n in range(start, end, step):
+        bm.append_slots(seq, n, min(end, n + step))
+        bm.check_invariants()
+
+
+def live(bm: BlockManager, seq: int) -> list[int]:
+    return [b for b in bm.block_table(seq) if b != NULL_BLOCK]
+
+
+def test_a_long_sequence_holds_a_bounded_number_of_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, sliding_window=6)
+    bm.allocate(1, list(range(5)), 5)
+    grow(bm, 1, 5, 200)  # 200 positions would need 50 blocks; the pool has 7
+    table = bm.block_table(1)
+    assert len(table) == 50
+    # next position 200 sees back to 195: blocks 48 (192-195) and 49 (196-199) stay
+    assert table[:48] == (NULL_BLOCK,) * 48 and NULL_BLOCK not in table[48:]
+    assert bm.num_free_blocks == 7 - 2
+    bm.free(1)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 7
+
+
+def test_without_a_window_nothing_is_dropped():
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    bm.allocate(1, list(range(5)), 5)
+    grow(bm, 1, 5, 100)
+    assert NULL_BLOCK not in bm.block_table(1)
+
+
+def test_chunks_keep_the_window_before_their_first_token():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False, sliding_window=6)
+    bm.allocate(1, list(range(8)), 8)
+    bm.append_slots(1, 8, 20)  # position 8 sees back to 3: block 0 (0-3) still needed
+    assert NULL_BLOCK not in bm.block_table(1)
+    bm.append_slots(1, 20, 24)  # position 20 sees back to 15: blocks 0-2 dead
+    assert bm.block_table(1)[:3] == (NULL_BLOCK,) * 3 and NULL_BLOCK not in bm.block_table(1)[3:]
+    bm.check_invariants()
+
+
+def test_fork_shares_live_blocks_and_dropping_in_one_keeps_the_others():
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False, sliding_window=6)
+    bm.allocate(1, list(range(10)), 10)
+    grow(bm, 1, 10, 14)
+    bm.fork(1, 2)
+    before = live(bm, 1)
+    grow(bm, 1, 14, 30)
+    bm.check_invariants()
+    # sequence 2 still holds every block it shared, whatever 1 released
+    assert live(bm, 2) == before and all(bm.ref_count(b) >= 1 for b in before)
+    grow(bm, 2, 14, 30)
+    for seq in (1, 2):
+        bm.free(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_swap_out_and_in_skip_dropped_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True,
+                      num_host_blocks=4, sliding_window=6)
+    tokens = list(range(40))
+    bm.allocate(1, tokens, 5)
+    grow(bm, 1, 5, 40)
+    kept = live(bm, 1)
+    assert len(kept) <= 3 and bm.can_swap_out(1)  # 10 table entries, only the live ones move
+    out = bm.swap_out(1)
+    assert [d for d, _ in out] == kept
+    assert sum(b != DROPPED for b in bm._host_tables[1]) == len(kept)
+    bm.check_invariants()
+    assert bm.num_blocks_to_swap_in(1) == len(kept)
+    back = bm.swap_in(1)
+    table = bm.block_table(1)
+    assert len(back) == len(kept) and [d for _, d in back] == live(bm, 1)
+    assert table[: 10 - len(kept)] == (NULL_BLOCK,) * (10 - len(kept))
+    bm.check_invariants()
+    grow(bm, 1, 40, 48)  # dropping continues where it stopped
+    bm.free(1)
+    bm.check_invariants()
+    assert bm.num_free_host_blocks == 4 and bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_prefix_cache_hashes_chain_over_dropped_blocks():
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=True, sliding_window=6)
+    tokens = list(range(24))
+    bm.allocate(1, tokens, 4)
+    for n in range(4, 24, 4):
+        bm.cache_computed(1, tokens, n)
+        bm.append_slots(1, n, n + 4)
+        bm.check_invariants()
+    bm.cache_computed(1, tokens, 24)
+    assert bm.num_hashed_blocks(1) == 6  # every full block hashed, dropped ones included
+    bm.free(1)
+    # dropped blocks went back to the LRU pool still registered: a new sequence reuses them
+    assert bm.match_prefix(tokens + [99]) == 24
+
+
+def test_bad_window_is_refused():
+    with pytest.raises(ValueError, match="sliding_window must be >= 1 or None, got 0"):
+        BlockManager(num_blocks=4, block_size=4, sliding_window=0)
