@@ -61,15 +61,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
-def _input_path(body: Any, loc: Sequence[Any], missing: bool) -> tuple[str, str]:
-    """(top-level field, readable path) of an error location inside the parsed body.
+def _input_path(body: Any, loc: Sequence[Any], missing: bool) -> tuple[str, str, tuple[int, ...]]:
+    """(top-level field, readable path, rank) of an error location inside the parsed body.
 
     pydantic puts union member tags ('str', 'list[int]') and '[key]' into ``loc``; walking
     the body itself keeps only the steps that exist in the input, so ``prompt: [true]`` is
     reported at ``prompt[0]``, not ``prompt.list[int].0``.
     """
-    top, path, node = "", "", body
+    top, path, node, rank = "", "", body, []
     for step in loc:
+        rank.append(step if isinstance(step, int) else -1)
         if isinstance(node, dict) and isinstance(step, str) and step in node:
             node = node[step]
             top = top or step
@@ -80,7 +81,10 @@ def _input_path(body: Any, loc: Sequence[Any], missing: bool) -> tuple[str, str]
         elif missing and step is loc[-1] and isinstance(node, dict) and isinstance(step, str):
             top = top or step  # the required field that is absent
             path = f"{path}.{step}" if path else step
-    return top, path
+        else:
+            rank.pop()
+    # how far into the input the error is: deeper, then later in a list, is further
+    return top, path, (len(rank), *rank)
 
 
 def clip(text: str, limit: int = 80) -> str:
@@ -102,17 +106,17 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     body = getattr(exc, "body", None)
     # A union reports one error per member: keep, per field, the deepest location the
     # members reached and what each of them wanted there ("a valid string / integer").
-    best: dict[str, tuple[str, list[str], dict]] = {}
+    best: dict[str, tuple[tuple[int, ...], str, list[str], dict]] = {}
     for err in errors:
         loc = [p for p in err.get("loc", ()) if p != "body"]
-        top, path = _input_path(body, loc, err.get("type") == "missing")
+        top, path, rank = _input_path(body, loc, err.get("type") == "missing")
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        if top not in best or len(path) > len(best[top][0]):
-            best[top] = (path, [msg], err)
-        elif path == best[top][0] and msg not in best[top][1]:
-            best[top][1].append(msg)
+        if top not in best or rank > best[top][0]:
+            best[top] = (rank, path, [msg], err)
+        elif rank == best[top][0] and msg not in best[top][2]:
+            best[top][2].append(msg)
     parts = []
-    for path, msgs, err in list(best.values())[:3]:
+    for _, path, msgs, err in list(best.values())[:3]:
         got = f" (got {_shown(err['input'])})" if "input" in err and err.get("type") != "missing" else ""
         text = " / ".join(msgs)
         parts.append(f"{path}: {text}{got}" if path else f"{text}{got}")
