@@ -43,6 +43,7 @@ from core.entrypoints.openai.middleware import (
     default_allowed_hosts,
 )
 from core.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -58,11 +59,25 @@ from core.version import __version__
 logger = logging.getLogger("core.entrypoints.openai")
 
 _ERRORS = {
-    400: {"model": ErrorResponse, "description": "Invalid parameters or a prompt longer than max_model_len"},
+    400: {"model": ErrorResponse, "description": "Invalid parameters, a prompt longer than max_model_len or "
+                                                 "--max-prompt-chars, max_tokens beyond the model's room"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (when --api-key is set)"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
-    503: {"model": ErrorResponse, "description": "Waiting queue full (see Retry-After) or engine dead"},
+    408: {"model": ErrorResponse, "description": "The body did not arrive within --timeout-body"},
+    413: {"model": ErrorResponse, "description": "The body is larger than --max-request-body-bytes"},
+    503: {"model": ErrorResponse, "description": "Waiting queue full (see Retry-After), engine dead, or "
+                                                 "the shutdown grace period ran out"},
 }
+
+
+def _streamed(chunk: type) -> dict:
+    """The 200 response of a route that streams with ``stream: true`` (OpenAPI has no
+    schema for an event stream's items: the description names the chunk type)."""
+    return {200: {"content": {"text/event-stream": {"schema": {
+        "type": "string",
+        "description": f"with stream: true, server-sent events 'data: <{chunk.__name__} JSON>' ending in "
+                       "'data: [DONE]'; an error after the stream started is one 'data: <ErrorResponse JSON>' "
+                       "event before [DONE]"}}}}}
 
 
 def served_name(args: ServerArgs, model_path: str) -> str:
@@ -132,12 +147,14 @@ def _add_api_routes(app: FastAPI, ctx: ServerContext, started: int) -> None:
         ctx.check_model(model)
         return card()
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, **_streamed(CompletionResponse)})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         """OpenAI completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
         return await create_completion(body, raw, ctx)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, **_streamed(ChatCompletionChunk)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
         return await create_chat_completion(body, raw, ctx)
