@@ -42,9 +42,7 @@ def servers(tmp_path_factory):
     docs = start(model, logs / "docs.log", "--api-key", KEY, "--enable-docs")
     guarded = start(model, logs / "guarded.log", "--timeout-header", "1", "--timeout-body", "1",
                     "--timeout-keep-alive", "1", "--shutdown-grace-period", "1", max_model_len=4096)
-    try:
-        for s in (keyed, docs, guarded):
-            wait_ready(s)
+    try:  # started together, awaited one by one: a server that fails fails only its tests
         yield {"keyed": keyed, "docs": docs, "guarded": guarded}
     finally:
         for s in (keyed, docs, guarded):
@@ -53,7 +51,20 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed(servers):
+    wait_ready(servers["keyed"])
     return servers["keyed"]
+
+
+@pytest.fixture(scope="module")
+def docs(servers):
+    wait_ready(servers["docs"])
+    return servers["docs"]
+
+
+@pytest.fixture(scope="module")
+def guarded(servers):
+    wait_ready(servers["guarded"])
+    return servers["guarded"]
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +206,15 @@ def test_models_show_no_path_and_404_is_short(http, keyed):
         assert r.status_code == 404 and len(r.content) < 2000, len(r.content)
 
 
-def test_docs_closed_with_an_api_key_unless_enabled(servers):
+def test_docs_closed_with_an_api_key(keyed):
     for page in ("/docs", "/redoc"):
-        assert httpx2.get(servers["keyed"].url + page).status_code == 404
-        assert httpx2.get(servers["docs"].url + page).status_code == 200
-    assert httpx2.get(servers["keyed"].url + "/openapi.json").status_code == 200
+        assert httpx2.get(keyed.url + page).status_code == 404
+    assert httpx2.get(keyed.url + "/openapi.json").status_code == 200
+
+
+def test_docs_open_with_an_api_key_and_enable_docs(docs):
+    for page in ("/docs", "/redoc"):
+        assert httpx2.get(docs.url + page).status_code == 200
 
 
 def test_host_header_is_checked_on_a_loopback_bind(keyed):
@@ -223,8 +238,8 @@ def _read_all(s: socket.socket) -> bytes:
     return data
 
 
-def test_idle_and_slow_connections_are_closed(servers):
-    g = servers["guarded"]
+def test_idle_and_slow_connections_are_closed(guarded):
+    g = guarded
     idle = [_connect(g) for _ in range(20)]
     for s in idle:  # never sent a byte: closed by the server
         assert _read_all(s) == b""
@@ -243,8 +258,8 @@ def test_idle_and_slow_connections_are_closed(servers):
 
 
 # ---- item 5: the shutdown grace runs out (last: stops the guarded server) ---------------------
-def test_grace_expiry_ends_streams_with_an_error_event_and_done(servers):
-    g = servers["guarded"]
+def test_grace_expiry_ends_streams_with_an_error_event_and_done(guarded):
+    g = guarded
     streams = [_Stream(g.url, {"model": MODEL, "prompt": f"long {i}", "max_tokens": 4000, "ignore_eos": True})
                for i in range(2)]
     for s in streams:

@@ -71,13 +71,41 @@ _ERRORS = {
 
 
 def _streamed(chunk: type) -> dict:
-    """The 200 response of a route that streams with ``stream: true`` (OpenAPI has no
-    schema for an event stream's items: the description names the chunk type)."""
-    return {200: {"content": {"text/event-stream": {"schema": {
-        "type": "string",
-        "description": f"with stream: true, server-sent events 'data: <{chunk.__name__} JSON>' ending in "
-                       "'data: [DONE]'; an error after the stream started is one 'data: <ErrorResponse JSON>' "
-                       "event before [DONE]"}}}}}
+    """The 200 response of a route with ``stream: true``: an event stream whose schema (in
+    OpenAPI 3.1, the schema of one event) says each event's data is a ``chunk``, an error
+    (a failure after the stream started) or the closing ``[DONE]``."""
+    data = {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}},
+    ]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data},
+             "description": f"with stream: true, server-sent events 'data: <{chunk.__name__} JSON>' ending in "
+                            "'data: [DONE]'; a failure after the stream started is one ErrorResponse event "
+                            "before [DONE]"}
+    return {200: {"content": {"text/event-stream": {"schema": event}}}}
+
+
+def _fix_openapi(app: FastAPI, *models: type) -> None:
+    """Make /openapi.json say what the server does: add ``models`` (referenced only from
+    stream schemas) to the components, and drop FastAPI's 422 (every refusal is a 400)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        schema = build()  # cached by FastAPI: the changes below are made once
+        for operation in (op for path in schema.get("paths", {}).values() for op in path.values()):
+            operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        for model in models:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, sub in body.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components.setdefault(model.__name__, body)
+        return schema
+
+    app.openapi = openapi
 
 
 def served_name(args: ServerArgs, model_path: str) -> str:
@@ -125,6 +153,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> Fas
     install_error_handlers(app, on_error=metrics.on_refused)
     _add_guards(app, args, metrics)
     _add_api_routes(app, ctx, started=int(time.time()))
+    _fix_openapi(app, ChatCompletionChunk, ErrorResponse)
     _add_ops_routes(app, engine, metrics)
     return app
 
