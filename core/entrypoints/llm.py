@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -92,9 +93,11 @@ class LLM:
             for p, sp in zip(prompts, params):
                 ids.append(self.engine.add_request(None, p, sp, final_only=True))
         except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            self._drain(ids)
+            # A dead engine cannot take them back; its own error (raised below) says why.
+            with contextlib.suppress(Exception):
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                self._drain(ids)
             raise
         return self._run(ids, use_tqdm)
 
