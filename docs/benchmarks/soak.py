@@ -128,9 +128,17 @@ async def _one(client: httpx2.AsyncClient, rng: random.Random, abort_fraction: f
         tally.odd(type(e).__name__)
 
 
-async def _traffic(url: str, workers: int, duration: float, abort_fraction: float, seed: int) -> Tally:
+async def _traffic(url: str, workers: int, duration: float, abort_fraction: float, seed: int,
+                   pid: int, rss: list[tuple[float, float]]) -> Tally:
+    """Run the mix for ``duration`` seconds; append (seconds, RSS MiB) to ``rss`` every 30 s."""
     tally = Tally()
-    deadline = time.monotonic() + duration
+    start = time.monotonic()
+    deadline = start + duration
+
+    async def sample() -> None:
+        while time.monotonic() < deadline:
+            rss.append((round(time.monotonic() - start), round(_rss_bytes(pid) / 2**20, 1)))
+            await asyncio.sleep(min(30.0, max(0.0, deadline - time.monotonic())))
 
     async def worker(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
@@ -138,7 +146,7 @@ async def _traffic(url: str, workers: int, duration: float, abort_fraction: floa
             while time.monotonic() < deadline:
                 await _one(client, rng, abort_fraction, tally)
 
-    await asyncio.gather(*(worker(i) for i in range(workers)))
+    await asyncio.gather(sample(), *(worker(i) for i in range(workers)))
     return tally
 
 
@@ -194,11 +202,13 @@ def main() -> int:
     ns = p.parse_args()
     proc, url = _start(ns)
     try:
-        warm = asyncio.run(_traffic(url, ns.workers, ns.warmup, ns.abort_fraction, ns.seed + 1))
+        warm_rss: list[tuple[float, float]] = []
+        rss: list[tuple[float, float]] = []
+        warm = asyncio.run(_traffic(url, ns.workers, ns.warmup, ns.abort_fraction, ns.seed + 1, proc.pid, warm_rss))
         _wait_idle(url, 300)
         rss0 = _rss_bytes(proc.pid)
         t0 = time.monotonic()
-        tally = asyncio.run(_traffic(url, ns.workers, ns.duration, ns.abort_fraction, ns.seed))
+        tally = asyncio.run(_traffic(url, ns.workers, ns.duration, ns.abort_fraction, ns.seed, proc.pid, rss))
         elapsed = time.monotonic() - t0
         idle = _wait_idle(url, 300)
         rss1 = _rss_bytes(proc.pid)
@@ -225,7 +235,8 @@ def main() -> int:
               "aborted_fraction_of_sent": round(tally.aborted / max(tally.sent, 1), 3),
               "tally": asdict(tally), "warmup_tally": asdict(warm), "idle_metrics": idle,
               "rss_baseline_mib": round(rss0 / 2**20, 1), "rss_after_mib": round(rss1 / 2**20, 1),
-              "rss_growth_pct": round(100 * growth, 2), "checks": checks, "load_after": os.getloadavg()}
+              "rss_growth_pct": round(100 * growth, 2), "rss_mib_during_warmup": warm_rss,
+              "rss_mib_during_run": rss, "checks": checks, "load_after": os.getloadavg()}
     print(json.dumps(result, indent=2))
     if ns.out:
         Path(ns.out).write_text(json.dumps(result, indent=2))

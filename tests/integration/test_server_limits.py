@@ -15,6 +15,7 @@ Waits follow progress with generous bounds; nothing asserts speed beyond them.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import threading
@@ -258,6 +259,12 @@ def test_idle_and_slow_connections_are_closed(guarded):
 
 
 # ---- item 5: the shutdown grace runs out (last: stops the guarded server) ---------------------
+def _running(server) -> float:
+    text = httpx2.get(server.url + "/metrics").text
+    m = re.search(r"^core:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else -1.0
+
+
 def test_grace_expiry_ends_streams_with_an_error_event_and_done(guarded):
     g = guarded
     streams = [_Stream(g.url, {"model": MODEL, "prompt": f"long {i}", "max_tokens": 4000, "ignore_eos": True})
@@ -266,6 +273,22 @@ def test_grace_expiry_ends_streams_with_an_error_event_and_done(guarded):
         s.start()
     for s in streams:
         s.wait_for(3)
+    plain: dict = {}
+
+    def post() -> None:  # a non-streamed request still running when the grace runs out
+        try:
+            r = httpx2.post(g.url + "/v1/completions", timeout=120,
+                            json={"prompt": "plain", "max_tokens": 4000, "ignore_eos": True})
+            plain["status"], plain["body"] = r.status_code, r.json()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            plain["error"] = e
+
+    waiter = threading.Thread(target=post, daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while _running(g) != 3 and time.monotonic() < deadline:  # the plain request is in the engine
+        time.sleep(0.1)
+    assert _running(g) == 3
     g.proc.send_signal(signal.SIGTERM)
     for s in streams:
         s.join(120)
@@ -274,7 +297,10 @@ def test_grace_expiry_ends_streams_with_an_error_event_and_done(guarded):
         last = s.events[-2]
         assert last["error"]["code"] == "server_shutting_down" and "--shutdown-grace-period" in last["error"]["message"]
         assert len(s.events) < 4000  # it was cut by the grace, not finished
+    waiter.join(120)
+    assert plain.get("status") == 503, plain
+    assert plain["body"]["error"]["code"] == "server_shutting_down"
     assert g.proc.wait(60) == 0
     log = g.log_text()
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-4000:]
-    assert log.count("grace period (1 s) ran out: ending 2 open request(s)") == 1, log[-4000:]
+    assert log.count("grace period (1 s) ran out: ending 3 open request(s)") == 1, log[-4000:]
