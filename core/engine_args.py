@@ -25,6 +25,58 @@ def parse_size(text: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# field -> (smallest value, whether None = "decide for me" is allowed)
+_COUNTS = {
+    "max_model_len": (1, True),
+    "block_size": (1, True),
+    "num_blocks_override": (1, True),
+    "max_num_seqs": (1, False),
+    "max_num_batched_tokens": (1, True),
+    "watermark_blocks": (0, False),
+    "max_num_partial_prefills": (1, False),
+    "tensor_parallel_size": (1, False),
+    "max_waiting_requests": (0, True),
+    "seed": (0, False),
+}
+_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "preemption_mode": ("recompute", "swap"),
+    "executor": ("auto", "uni", "mp", "ray"),
+    "load_format": ("auto", "safetensors", "gguf", "pt", "dummy"),
+}
+
+
+def _where(name: str) -> str:
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def validate_engine_args(args: EngineArgs) -> None:
+    """Refuse values the engine would misread: 0 or a negative count is not "unset", a
+    float or a bool is not a count. Raises ValueError naming the argument and the limit."""
+    for name, (low, optional) in _COUNTS.items():
+        value = getattr(args, name)
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            unset = " or None (automatic)" if optional else ""
+            raise ValueError(f"{_where(name)}={value!r} is invalid: must be an integer >= {low}{unset}")
+    for name, allowed in _CHOICES.items():
+        if getattr(args, name) not in allowed:
+            raise ValueError(f"{_where(name)}={getattr(args, name)!r} is invalid: must be one of {', '.join(allowed)}")
+    util = args.gpu_memory_utilization
+    if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+        raise ValueError(f"{_where('gpu_memory_utilization')}={util!r} is invalid: must be a fraction in (0, 1]")
+    swap = args.swap_space
+    if isinstance(swap, bool) or not isinstance(swap, int | float) or not 0 <= swap < float("inf"):
+        raise ValueError(f"{_where('swap_space')}={swap!r} is invalid: must be a number of GiB >= 0")
+    if args.kv_cache_memory is not None:
+        size = parse_size(args.kv_cache_memory) if not isinstance(args.kv_cache_memory, bool) else 0
+        if size is None or size <= 0:
+            raise ValueError(f"{_where('kv_cache_memory')}={args.kv_cache_memory!r} is invalid: must be a size "
+                             "> 0 (e.g. 2GiB) or None (the platform's default budget)")
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set when starting an engine. ``None`` means "decide for me"."""
@@ -62,6 +114,9 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     disable_log_stats: bool = False
     log_prompts: bool = False
+
+    def __post_init__(self) -> None:
+        validate_engine_args(self)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +15,51 @@ from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
 
 Message = dict[str, Any]
+
+
+def _prompt_list(prompts: Any) -> list[str | list[int]]:
+    """``prompts`` as a list of prompts, or a TypeError / ValueError naming what is wrong."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Number):
+        prompts = [prompts]  # one token-id prompt (its ids are checked below)
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray):
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                        f"{type(prompts).__name__}" + (" (pass the prompt text itself)" if isinstance(prompts, dict) else ""))
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one prompt")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, Sequence) and not isinstance(p, bytes | bytearray):
+            bad = next((t for t in p if not _is_token_id(t)), None)
+            if bad is not None or not p:
+                what = "is empty" if not p else f"holds {bad!r} ({type(bad).__name__})"
+                raise ValueError(f"prompts[{i}] {what}; a token-id prompt is a non-empty list of ints >= 0")
+            out.append(list(p))
+        else:
+            raise TypeError(f"prompts[{i}] is a {type(p).__name__}; each prompt must be a string or a list of token ids")
+    return out
+
+
+def _is_token_id(x: Any) -> bool:
+    # bool is an int subclass, and 1.0 is not a token id: both are callers' mistakes.
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+        hint = " (build one with SamplingParams(**your_dict))" if isinstance(params, dict) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them; got "
+                        f"{type(params).__name__}{hint}")
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one or one per prompt")
+    return list(params)
 
 
 class LLM:
@@ -34,16 +81,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``; prompts may be strings or token-id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
-        ids = [self.engine.add_request(None, p, sp, final_only=True) for p, sp in zip(prompts, params)]
+        """Outputs in the order of ``prompts``; prompts may be strings or token-id lists.
+
+        Every argument is checked before anything is queued, and a prompt the engine refuses
+        takes the ones queued before it out again: a failed call leaves the engine as it was.
+        """
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, p, sp, final_only=True))
+        except BaseException:
+            # A dead engine cannot take them back; its own error (raised below) says why.
+            with contextlib.suppress(Exception):
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                self._drain(ids)
+            raise
         return self._run(ids, use_tqdm)
+
+    def _drain(self, ids: list[str]) -> None:
+        """Step until the aborted ``ids`` have delivered their final outputs (and freed
+        their blocks), so the next call does not receive them."""
+        pending = set(ids)
+        while pending and self.engine.has_unfinished_requests():
+            pending -= {out.request_id for out in self.engine.step() if out.finished}
 
     def chat(
         self,

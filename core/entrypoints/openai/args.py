@@ -23,10 +23,40 @@ class ServerArgs:
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the tokenizer's."""
     shutdown_grace_period: float = 30.0
-    """Seconds in-flight requests get to finish after SIGTERM before they are cancelled."""
+    """Seconds in-flight requests get to finish after SIGTERM; then each open stream gets a
+    final error event and ``[DONE]``, and each waiting non-streamed request a 503."""
     disable_log_requests: bool = False
     log_prompts: bool = False
     uvicorn_log_level: str = "warning"
+    # ---- limits (every one refuses with an error naming it; see docs/serving.md) ----
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    """Larger bodies get 413 (before they are read when Content-Length says so)."""
+    max_prompt_chars: int | None = None
+    """Longest text prompt (characters, all prompts / messages of a request together) taken
+    to the tokenizer; None = 16 x max_model_len. Longer ones get 400 before tokenization."""
+    timeout_keep_alive: float = 5.0
+    """Seconds an idle keep-alive connection stays open after a response."""
+    timeout_header: float = 30.0
+    """Seconds a connection has to send a complete request head (new, or after a response)."""
+    timeout_body: float = 60.0
+    """Seconds a request has to send its whole body once the head arrived (then 408)."""
+    max_header_bytes: int = 64 * 1024
+    """Largest request head (request line and headers) h11 buffers; bigger ones get 400."""
+    # ---- exposure ----
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header values answered; None = loopback names for a loopback bind, else any."""
+    enable_docs: bool = False
+    """Serve /docs and /redoc even with an API key (they are always on without one)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_header_bytes", "port"):
+            _require(name, getattr(self, name), 1 if name != "port" else 0, "an integer")
+        _require("max_prompt_chars", self.max_prompt_chars, 1, "an integer", optional=True)
+        for name in ("timeout_keep_alive", "timeout_header", "timeout_body"):
+            _require(name, getattr(self, name), 0.001, "a number of seconds", real=True)
+        _require("shutdown_grace_period", self.shutdown_grace_period, 0, "a number of seconds", real=True)
+        if self.allowed_hosts is not None and not any(h.strip() for h in self.allowed_hosts):
+            raise ValueError("--allowed-hosts is empty; name at least one host, or '*' for any")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -40,7 +70,29 @@ class ServerArgs:
             disable_log_requests=ns.disable_log_requests,
             log_prompts=getattr(ns, "log_prompts", False),
             uvicorn_log_level=ns.uvicorn_log_level,
+            max_request_body_bytes=ns.max_request_body_bytes,
+            max_prompt_chars=ns.max_prompt_chars,
+            timeout_keep_alive=ns.timeout_keep_alive,
+            timeout_header=ns.timeout_header,
+            timeout_body=ns.timeout_body,
+            max_header_bytes=ns.max_header_bytes,
+            allowed_hosts=_hosts(ns.allowed_hosts),
+            enable_docs=ns.enable_docs,
         )
+
+
+def _require(name: str, value, low: float, kind: str, real: bool = False, optional: bool = False) -> None:
+    """``value`` must be an int (a real when ``real``) >= ``low``; the error names the flag."""
+    if optional and value is None:
+        return
+    flag = "--" + name.replace("_", "-")
+    ok_type = isinstance(value, (int, float) if real else int) and not isinstance(value, bool)
+    if not ok_type or value < low or (real and value != value):
+        raise ValueError(f"{flag} {value!r} is invalid: must be {kind} >= {low:g}")
+
+
+def _hosts(value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(h.strip() for h in value.split(","))
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -70,4 +122,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request at INFO")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header values to answer ('*' = any, '*.example.com'); "
+                        "default: localhost, 127.0.0.1, [::1] for a loopback --host (DNS-rebinding "
+                        "defence), any otherwise")
+    g.add_argument("--enable-docs", action="store_true", help="serve /docs and /redoc even with --api-key")
+    lim = parser.add_argument_group("limits")
+    lim.add_argument("--max-request-body-bytes", type=int, default=ServerArgs.max_request_body_bytes,
+                     help="largest request body in bytes; bigger ones get 413 (default 8 MiB)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="longest text prompt in characters, checked before tokenization "
+                          "(default: 16 x max_model_len)")
+    lim.add_argument("--timeout-keep-alive", type=float, default=ServerArgs.timeout_keep_alive,
+                     help="seconds an idle keep-alive connection is kept after a response")
+    lim.add_argument("--timeout-header", type=float, default=ServerArgs.timeout_header,
+                     help="seconds a connection has to send its request line and headers")
+    lim.add_argument("--timeout-body", type=float, default=ServerArgs.timeout_body,
+                     help="seconds a request has to send its body once the headers arrived (then 408)")
+    lim.add_argument("--max-header-bytes", type=int, default=ServerArgs.max_header_bytes,
+                     help="largest request line plus headers in bytes")
     EngineArgs.add_cli_args(parser)

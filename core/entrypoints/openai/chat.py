@@ -34,6 +34,7 @@ from core.entrypoints.openai.serving import (
     final_output,
     merge_streams,
     until_disconnect,
+    until_expired,
 )
 from core.outputs import RequestOutput
 
@@ -89,7 +90,10 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     ctx.warn_unknown_fields(request_id, req)
     messages = [_message(m) for m in req.messages]
+    ctx.check_prompt_text([m["content"] for m in messages], "messages")
     prompt = await _render(ctx, messages, req.add_generation_prompt)
+    ctx.check_prompt_ids([prompt], "messages")
+    ctx.check_room(max_tokens, [len(prompt)], "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     texts = await ctx.token_texts() if k is not None else []
     streams = await ctx.submit(request_id, [prompt], params, req.priority)
     ctx.log_received(request_id, "chat", req, [messages], max_tokens)
@@ -97,7 +101,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         events = _events(ctx, req, request_id, streams, texts)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        out = await until_disconnect(raw, final_output(streams[0]))
+        out = await until_disconnect(raw, final_output(streams[0]), ctx.grace)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the request was aborted
     except Exception as e:
@@ -140,7 +144,7 @@ async def _events(
     try:
         yield sse([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)])
         last = None
-        async for _, out in merge_streams(streams):
+        async for _, out in until_expired(ctx, merge_streams(streams)):
             last = out
             choices = []
             for comp in out.outputs:

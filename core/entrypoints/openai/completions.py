@@ -31,6 +31,7 @@ from core.entrypoints.openai.serving import (
     final_output,
     merge_streams,
     until_disconnect,
+    until_expired,
 )
 from core.outputs import RequestOutput
 
@@ -53,11 +54,22 @@ def _check(req: CompletionRequest) -> None:
         raise bad_request("echo together with logprobs is not supported; drop one of them", param="echo")
 
 
+def _check_prompts(ctx: ServerContext, req: CompletionRequest, prompts: list[str | list[int]]) -> None:
+    """Size limits before anything is tokenized or queued."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    ids = [p for p in prompts if not isinstance(p, str)]
+    ctx.check_prompt_text(texts, "prompt")
+    ctx.check_prompt_ids(ids)
+    if "max_tokens" in req.model_fields_set:  # the default (16) is a cap, not a demand
+        ctx.check_room(req.max_tokens, [len(i) for i in ids], "max_tokens")
+
+
 async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerContext) -> Response:
     ctx.check_model(req.model)
     _check(req)
-    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
     prompts = _prompts(req.prompt)
+    _check_prompts(ctx, req, prompts)
+    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ctx.warn_unknown_fields(request_id, req)
     texts = await ctx.token_texts() if req.logprobs is not None else []
@@ -70,7 +82,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         return list(await asyncio.gather(*(final_output(s) for s in streams)))
 
     try:
-        outs = await until_disconnect(raw, collect())
+        outs = await until_disconnect(raw, collect(), ctx.grace)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the requests were aborted
     except Exception as e:
@@ -121,7 +133,7 @@ async def _events(
     cursors: dict[int, ChoiceCursor] = {}
     finals: dict[int, RequestOutput] = {}
     try:
-        async for i, out in merge_streams(streams):
+        async for i, out in until_expired(ctx, merge_streams(streams)):
             if req.echo and not any(i * req.n + c.index in cursors for c in out.outputs):
                 echo = out.prompt if out.prompt is not None else await _echo_ids(ctx, out)
                 yield _sse(_chunk(request_id, created, ctx, [

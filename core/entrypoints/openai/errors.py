@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,16 +61,68 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
+def _input_path(body: Any, loc: Sequence[Any], missing: bool) -> tuple[str, str, tuple[int, ...]]:
+    """(top-level field, readable path, rank) of an error location inside the parsed body.
+
+    pydantic puts union member tags ('str', 'list[int]') and '[key]' into ``loc``; walking
+    the body itself keeps only the steps that exist in the input, so ``prompt: [true]`` is
+    reported at ``prompt[0]``, not ``prompt.list[int].0``.
+    """
+    top, path, node, rank = "", "", body, []
+    for step in loc:
+        rank.append(step if isinstance(step, int) else -1)
+        if isinstance(node, dict) and isinstance(step, str) and step in node:
+            node = node[step]
+            top = top or step
+            path = f"{path}.{step}" if path else step
+        elif isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
+            node = node[step]
+            path = f"{path}[{step}]"
+        elif missing and step is loc[-1] and isinstance(node, dict) and isinstance(step, str):
+            top = top or step  # the required field that is absent
+            path = f"{path}.{step}" if path else step
+        else:
+            rank.pop()
+    # how far into the input the error is: deeper, then later in a list, is further
+    return top, path, (len(rank), *rank)
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters: errors quote what the client sent, never all of it."""
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+def _shown(value: Any) -> str:
+    return clip(repr(value), 60)
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
-    parts, first_param = [], None
-    for err in errors[:3]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        first_param = first_param or (where or None)
-        parts.append(f"{where}: {err.get('msg', 'invalid')}" if where else str(err.get("msg", "invalid")))
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    return bad_request("invalid request: " + "; ".join(parts) + more, param=first_param)
+    if any(err.get("type") == "json_invalid" for err in errors):
+        # pydantic's location here is a character offset, not a field: say what is wrong instead.
+        reason = next(str(e.get("ctx", {}).get("error", "")) for e in errors if e.get("type") == "json_invalid")
+        return bad_request(f"the request body is not valid JSON ({reason or 'malformed'}); send one JSON object "
+                           "with Content-Type: application/json", code="invalid_json")
+    body = getattr(exc, "body", None)
+    # A union reports one error per member: keep, per field, the deepest location the
+    # members reached and what each of them wanted there ("a valid string / integer").
+    best: dict[str, tuple[tuple[int, ...], str, list[str], dict]] = {}
+    for err in errors:
+        loc = [p for p in err.get("loc", ()) if p != "body"]
+        top, path, rank = _input_path(body, loc, err.get("type") == "missing")
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if top not in best or rank > best[top][0]:
+            best[top] = (rank, path, [msg], err)
+        elif rank == best[top][0] and msg not in best[top][2]:
+            best[top][2].append(msg)
+    parts = []
+    for _, path, msgs, err in list(best.values())[:3]:
+        got = f" (got {_shown(err['input'])})" if "input" in err and err.get("type") != "missing" else ""
+        text = " / ".join(msgs)
+        parts.append(f"{path}: {text}{got}" if path else f"{text}{got}")
+    more = f" (and {len(best) - 3} more invalid field(s))" if len(best) > 3 else ""
+    first = next(iter(best), None) or None
+    return bad_request("invalid request: " + "; ".join(parts) + more, param=first)
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
@@ -94,10 +147,11 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request refused"
+        path = clip(request.url.path)
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /openapi.json"
+            message = f"no route {request.method} {path}; see /openapi.json"
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+            message = f"method {request.method} is not allowed on {path}"
         return respond(OpenAIError(exc.status_code, message, headers=getattr(exc, "headers", None)), request)
 
     @app.exception_handler(Exception)

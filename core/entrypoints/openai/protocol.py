@@ -2,6 +2,11 @@
 
 Field constraints here are the first line of validation: a value outside them becomes a
 400 in the OpenAI error shape (see ``errors.py``) and they appear in ``/openapi.json``.
+Request models are *strict* (as OpenAI's API is): ``"10"`` is not an integer, ``true`` is not
+a token id, ``"yes"`` is not a boolean; only an integer may stand for a float. Every text
+field is a :data:`Text`, which refuses lone UTF-16 surrogates (``"\\ud800"`` is valid JSON
+but no tokenizer can encode it). Limits that depend on the running server (prompt length,
+``max_tokens`` room, ``n`` against ``--max-num-seqs``) are checked in ``serving.py``.
 Fields marked *extension* are not in OpenAI's API; they follow vLLM's names so clients
 written for vLLM keep working (send them with the openai client's ``extra_body``).
 """
@@ -11,13 +16,43 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64
+MAX_INT = 2**63 - 1
+"""Largest integer any count field takes (JSON clients and our int64 tensors agree on it)."""
 
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+
+def _valid_unicode(text: str) -> str:
+    # json.loads turns "\ud800" into a lone surrogate: a str that cannot be UTF-8 encoded,
+    # so the tokenizer would fail deep inside with its own message.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate {text[e.start]!r} at character {e.start}; "
+                         "send valid Unicode (pair the surrogate or remove it)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyStr = Annotated[Text, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+Count = Annotated[int, Field(ge=1, le=MAX_INT)]
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,19}$")], Annotated[float, Field(ge=-100, le=100)]],
+    # pydantic writes key patterns as patternProperties, which still allows any other key;
+    # propertyNames says what the server enforces: every key is a token id.
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,19}$"},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
+]
+
+
+class StrictModel(BaseModel):
+    """Base of every request body: no type coercion (see the module docstring)."""
+
+    model_config = ConfigDict(strict=True)
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -33,18 +68,18 @@ class ErrorResponse(BaseModel):
 
 
 # ---- shared request fields -------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     """Send a last chunk (with empty ``choices``) carrying the request's token usage."""
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     # Unknown fields are accepted and ignored (as vLLM does); they are listed in the log.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str | None = Field(None, description="Served model name; omitted means the served model.")
+    model: Text | None = Field(None, description="Served model name; omitted means the served model.")
     n: int = Field(1, ge=1, le=128, description="Samples per prompt.")
     temperature: float | None = Field(None, ge=0, le=2, description="Default 1; 0 is greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
@@ -53,16 +88,14 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, description="Token id (as a string) -> bias added to its logit."
-    )
+    logit_bias: LogitBias | None = Field(None, description="Token id (as a string) -> bias added to its logit.")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Same seed, same samples.")
-    user: str | None = Field(None, description="End-user id; only logged.")
+    user: Text | None = Field(None, description="End-user id; only logged.")
     # extensions
-    top_k: int | None = Field(None, ge=-1, description="extension: keep the k likeliest tokens (-1 off)")
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT, description="extension: keep the k likeliest tokens (-1 off)")
     min_p: float | None = Field(None, ge=0, le=1, description="extension")
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension")
-    min_tokens: int = Field(0, ge=0, description="extension: no EOS/stop before this many tokens")
+    min_tokens: int = Field(0, ge=0, le=MAX_INT, description="extension: no EOS/stop before this many tokens")
     ignore_eos: bool = Field(False, description="extension: keep generating after EOS")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = Field(
         None, description="extension"
@@ -74,19 +107,20 @@ class SamplingRequest(BaseModel):
 
 # ---- /v1/completions -------------------------------------------------------------------------
 PromptType = (
-    Annotated[str, Field()]
-    | Annotated[list[str], Field(min_length=1, max_length=64)]
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)]
     | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
 )
 
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptType
-    max_tokens: int | None = Field(16, ge=1, description="Most tokens per sample; null = up to max_model_len.")
+    max_tokens: Count | None = Field(16, description="Most tokens per sample; null = up to max_model_len. "
+                                     "More than the model's room (max_model_len - prompt tokens) is a 400.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top logprobs per token.")
     echo: bool = Field(False, description="Prepend the prompt to the returned text.")
-    suffix: str | None = Field(None, description="Not supported; must be null.")
+    suffix: Text | None = Field(None, description="Not supported; must be null.")
     best_of: int | None = Field(None, ge=1, le=128, description="Only best_of == n is supported.")
 
 
@@ -121,25 +155,25 @@ class CompletionResponse(BaseModel):
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
-class TextPart(BaseModel):
+class TextPart(StrictModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI; use max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = Field(None, description="Deprecated by OpenAI; use max_completion_tokens.")
+    max_completion_tokens: Count | None = Field(None, description="More than the model's room is a 400.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported; must be null or empty.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
+    tool_choice: Text | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
     add_generation_prompt: bool = Field(True, description="extension")
 
@@ -207,7 +241,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "core"
-    root: str | None = Field(None, description="extension: the model path")
+    root: str | None = Field(None, description="extension: the model's file or directory name (never a full path)")
     max_model_len: int | None = Field(None, description="extension")
 
 

@@ -4,15 +4,18 @@ Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions,
 POST /v1/chat/completions, GET /health, GET /metrics, GET /version, GET /openapi.json.
 
 Shutdown: on SIGTERM uvicorn stops accepting connections, in-flight requests get
-``--shutdown-grace-period`` seconds to finish (then they are cancelled, which aborts them in
-the engine), the engine thread stops, and the process exits 0.
+``--shutdown-grace-period`` seconds to finish (then each open stream gets a final error
+event and ``[DONE]``, each other request a 503, and their engine requests are aborted: see
+``shutdown.py``), the engine thread stops, and the process exits 0.
+
+Guards (``middleware.py``, ``connection.py``): Host header check, request-body size and
+time limits, the API key, and a deadline for request heads on every connection.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import signal
 import time
@@ -20,6 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -29,9 +33,17 @@ from core.engine_args import EngineArgs
 from core.entrypoints.openai.args import ServerArgs
 from core.entrypoints.openai.chat import create_chat_completion
 from core.entrypoints.openai.completions import create_completion
+from core.entrypoints.openai.connection import protocol_with_header_timeout
 from core.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from core.entrypoints.openai.metrics import CONTENT_TYPE, Metrics
+from core.entrypoints.openai.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    default_allowed_hosts,
+)
 from core.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -41,49 +53,59 @@ from core.entrypoints.openai.protocol import (
     ModelList,
 )
 from core.entrypoints.openai.serving import ServerContext
+from core.entrypoints.openai.shutdown import BACKSTOP_S, ShutdownGrace
 from core.version import __version__
 
 logger = logging.getLogger("core.entrypoints.openai")
 
 _ERRORS = {
-    400: {"model": ErrorResponse, "description": "Invalid parameters or a prompt longer than max_model_len"},
+    400: {"model": ErrorResponse, "description": "Invalid parameters, a prompt longer than max_model_len or "
+                                                 "--max-prompt-chars, max_tokens beyond the model's room"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (when --api-key is set)"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
-    503: {"model": ErrorResponse, "description": "Waiting queue full (see Retry-After) or engine dead"},
+    408: {"model": ErrorResponse, "description": "The body did not arrive within --timeout-body"},
+    413: {"model": ErrorResponse, "description": "The body is larger than --max-request-body-bytes"},
+    503: {"model": ErrorResponse, "description": "Waiting queue full (see Retry-After), engine dead, or "
+                                                 "the shutdown grace period ran out"},
 }
 
 
-class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on /v1/*; other paths (health, metrics) stay open.
+def _streamed(chunk: type) -> dict:
+    """The 200 response of a route with ``stream: true``: an event stream whose schema (in
+    OpenAPI 3.1, the schema of one event) says each event's data is a ``chunk``, an error
+    (a failure after the stream started) or the closing ``[DONE]``."""
+    data = {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}},
+    ]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data},
+             "description": f"with stream: true, server-sent events 'data: <{chunk.__name__} JSON>' ending in "
+                            "'data: [DONE]'; a failure after the stream started is one ErrorResponse event "
+                            "before [DONE]"}
+    return {200: {"content": {"text/event-stream": {"schema": event}}}}
 
-    A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnects pass
-    through untouched. The key is compared in constant time.
-    """
 
-    def __init__(self, app, api_key: str, on_refused=None):
-        self.app = app
-        self._key = api_key.encode()
-        self._on_refused = on_refused
+def _fix_openapi(app: FastAPI, *models: type) -> None:
+    """Make /openapi.json say what the server does: add ``models`` (referenced only from
+    stream schemas) to the components, and drop FastAPI's 422 (every refusal is a 400)."""
+    build = app.openapi
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            if self._on_refused is not None:
-                self._on_refused(401)
-            err = OpenAIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await err.response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+    def openapi() -> dict:
+        schema = build()  # cached by FastAPI: the changes below are made once
+        for operation in (op for path in schema.get("paths", {}).values() for op in path.values()):
+            operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        for model in models:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, sub in body.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components.setdefault(model.__name__, body)
+        return schema
 
-    def _authorized(self, scope) -> bool:
-        header = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
-        # compare_digest takes time independent of where the strings differ.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+    app.openapi = openapi
 
 
 def served_name(args: ServerArgs, model_path: str) -> str:
@@ -93,10 +115,22 @@ def served_name(args: ServerArgs, model_path: str) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
+def _add_guards(app: FastAPI, args: ServerArgs, metrics: Metrics) -> None:
+    """Middlewares, outermost last: Host check, then body limits, then the API key."""
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, on_refused=metrics.on_refused)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes, timeout=args.timeout_body,
+                       on_refused=metrics.on_refused)
+    hosts = args.allowed_hosts if args.allowed_hosts is not None else default_allowed_hosts(args.host)
+    app.add_middleware(HostCheckMiddleware, allowed=hosts, on_refused=metrics.on_refused)
+
+
 def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> FastAPI:
     """The ASGI app serving ``engine``. The app stops the engine when it shuts down."""
+    grace = ShutdownGrace(args.shutdown_grace_period)
     ctx = ServerContext(engine, metrics.model_name, args.chat_template,
-                        log_requests=not args.disable_log_requests, log_prompts=args.log_prompts)
+                        log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
+                        max_prompt_chars=args.max_prompt_chars, grace=grace)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,11 +144,16 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> Fas
         logger.info("stopping the engine")
         await asyncio.to_thread(engine.shutdown, 30.0)
 
-    app = FastAPI(title="core: OpenAI-compatible API", version=__version__, lifespan=lifespan)
+    # The interactive docs pages are open to anyone who can reach the port; with an API key
+    # they are opt-in. /openapi.json (the API's description, no data) stays available.
+    docs = not args.api_key or args.enable_docs
+    app = FastAPI(title="core: OpenAI-compatible API", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    app.state.grace = grace
     install_error_handlers(app, on_error=metrics.on_refused)
-    if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, on_refused=metrics.on_refused)
+    _add_guards(app, args, metrics)
     _add_api_routes(app, ctx, started=int(time.time()))
+    _fix_openapi(app, ChatCompletionChunk, ErrorResponse)
     _add_ops_routes(app, engine, metrics)
     return app
 
@@ -123,7 +162,10 @@ def _add_api_routes(app: FastAPI, ctx: ServerContext, started: int) -> None:
     """The OpenAI routes under /v1."""
 
     def card() -> ModelCard:
-        return ModelCard(id=ctx.model_name, created=started, root=ctx.model_root, max_model_len=ctx.max_model_len)
+        # root is the model's file or directory *name*: the full path tells a client about
+        # the server's file system and nothing it needs.
+        return ModelCard(id=ctx.model_name, created=started, root=Path(ctx.model_root).name,
+                         max_model_len=ctx.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> ModelList:
@@ -134,12 +176,14 @@ def _add_api_routes(app: FastAPI, ctx: ServerContext, started: int) -> None:
         ctx.check_model(model)
         return card()
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, **_streamed(CompletionResponse)})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         """OpenAI completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
         return await create_completion(body, raw, ctx)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, **_streamed(ChatCompletionChunk)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
         return await create_chat_completion(body, raw, ctx)
@@ -188,8 +232,6 @@ async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
 
 def run_server(ns: argparse.Namespace) -> int:
     """``core serve``: load the engine, serve until SIGTERM/SIGINT, return the exit code."""
-    import uvicorn
-
     args = ServerArgs.from_cli_args(ns)
     engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
     name = served_name(args, engine.config.model.model)
@@ -204,9 +246,13 @@ def run_server(ns: argparse.Namespace) -> int:
         log_config=None,  # keep the process's logging setup (core's format and level)
         log_level=args.uvicorn_log_level,
         access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
-        timeout_graceful_shutdown=args.shutdown_grace_period,
+        # ShutdownGrace ends open requests at the grace period; uvicorn's cancel is a backstop.
+        timeout_graceful_shutdown=args.shutdown_grace_period + BACKSTOP_S,
+        http=protocol_with_header_timeout(args.timeout_header),
+        timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=args.max_header_bytes,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, app.state.grace)
     # uvicorn re-raises the signal it shut down for once it is done; with this handler in
     # place that re-raise is a no-op, so a SIGTERM shutdown ends with exit code 0.
     previous = signal.signal(signal.SIGTERM, _log_terminated)
@@ -220,6 +266,21 @@ def run_server(ns: argparse.Namespace) -> int:
         logger.error("the server did not start (is port %d on %s free?)", args.port, args.host)
         return 1
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, starting the grace countdown when the exit signal arrives."""
+
+    def __init__(self, config, grace: ShutdownGrace):
+        super().__init__(config)
+        self._grace = grace
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        try:
+            self._grace.begin(asyncio.get_running_loop())
+        except RuntimeError:  # no loop yet (a signal during start-up): nothing is open
+            pass
 
 
 def _log_terminated(signum: int, frame) -> None:

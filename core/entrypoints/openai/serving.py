@@ -4,7 +4,9 @@ submitting to the engine with errors mapped to HTTP statuses, stream plumbing.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -13,14 +15,19 @@ from fastapi import Request
 
 from core.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from core.engine import EngineOverloaded
-from core.entrypoints.openai.errors import OpenAIError, bad_request
+from core.entrypoints.openai.errors import OpenAIError, bad_request, clip
 from core.entrypoints.openai.protocol import SamplingRequest
+from core.entrypoints.openai.shutdown import ShutdownGrace
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling_params import SamplingParams
 
 logger = logging.getLogger("core.entrypoints.openai")
 
 T = TypeVar("T")
+
+PROMPT_CHARS_PER_TOKEN = 16
+"""Default --max-prompt-chars is this many characters per max_model_len token: far more than
+any real tokenizer averages, so only prompts that cannot fit are refused unread."""
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """Keep proxies (nginx) from buffering a token stream."""
@@ -40,6 +47,8 @@ class ServerContext:
         chat_template: str | None,
         log_requests: bool,
         log_prompts: bool,
+        max_prompt_chars: int | None = None,
+        grace: ShutdownGrace | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
@@ -51,6 +60,8 @@ class ServerContext:
         self.chat_template = chat_template
         self.log_requests = log_requests
         self.log_prompts = log_prompts
+        self.max_prompt_chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
+        self.grace = grace
         self._token_texts: list[str] | None = None
         self._token_texts_lock = asyncio.Lock()
 
@@ -59,13 +70,53 @@ class ServerContext:
         if model is not None and model != self.model_name:
             raise OpenAIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
+                f"the model {clip(model)!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
                 param="model",
                 code="model_not_found",
             )
 
+    def check_prompt_text(self, texts: list[str], param: str) -> None:
+        """Refuse text longer than ``max_prompt_chars`` before it reaches the tokenizer
+        (tokenizing 10 MB takes seconds and gigabytes for a prompt that cannot fit anyway)."""
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_prompt_chars:
+            raise bad_request(
+                f"the prompt has {chars} characters; this server takes at most {self.max_prompt_chars} "
+                f"(--max-prompt-chars; max_model_len is {self.max_model_len} tokens); shorten the prompt",
+                param=param, code="prompt_too_long")
+
+    def check_prompt_ids(self, prompts: list[list[int]], param: str = "prompt") -> None:
+        """Token-id prompts: in the vocabulary and leaving room for one generated token."""
+        for ids in prompts:
+            if len(ids) >= self.max_model_len:
+                raise bad_request(
+                    f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (prompt plus at "
+                    "least one generated token must fit); shorten the prompt", param=param, code="prompt_too_long")
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                                  param=param)
+
+    def check_room(self, max_tokens: int | None, prompt_lens: list[int], param: str) -> None:
+        """``max_tokens`` must fit beside the prompt in max_model_len: refused, never cut
+        (OpenAI and vLLM answer 400 too). ``prompt_lens`` may be empty when the prompts
+        are text not yet tokenized: then the bound is max_model_len - 1."""
+        if max_tokens is None:
+            return
+        longest = max(prompt_lens, default=1)
+        room = self.max_model_len - longest
+        if max_tokens > room:
+            which = f"the prompt has {longest} tokens, " if prompt_lens else "a prompt has at least one token, "
+            raise bad_request(
+                f"{param}={max_tokens} does not fit: max_model_len is {self.max_model_len} tokens and {which}"
+                f"so at most {room} can be generated; lower {param}", param=param, code="max_tokens_too_large")
+
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams for ``req``; a bad combination becomes a 400."""
+        bad_stops = [t for t in req.stop_token_ids or () if t >= self.vocab_size]
+        if bad_stops:
+            raise bad_request(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                              param="stop_token_ids")
         if req.n > self.max_num_seqs:
             raise bad_request(
                 f"n={req.n} is more than this server runs at once (--max-num-seqs {self.max_num_seqs}); "
@@ -133,7 +184,7 @@ class ServerContext:
             return streams
         for s in streams:
             s.close()
-        raise engine_error(error, param="prompt") from error
+        raise engine_error(error, param=_param_of(str(error))) from error
 
     async def call_engine(self, fn: Any) -> Any:
         try:
@@ -191,11 +242,21 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+_REQUEST_FIELDS = frozenset(SamplingRequest.model_fields) | {"max_tokens", "logprobs"}
+
+
 def _param_of(message: str) -> str | None:
-    # SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ...".
+    """The request field an engine or SamplingParams ``ValueError`` is about.
+
+    SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ..."; the engine's
+    start with the field ("stop_token_ids contains ...") or are about the prompt.
+    """
     if message.startswith("SamplingParams."):
         return message.removeprefix("SamplingParams.").split("=", 1)[0]
-    return None
+    first = re.split(r"[\s=.]", message, maxsplit=1)[0]
+    if first in _REQUEST_FIELDS:
+        return first
+    return "prompt" if "prompt" in message else None
 
 
 # ---- streams -----------------------------------------------------------------------------------
@@ -250,9 +311,15 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             s.close()
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+def until_expired(ctx: ServerContext, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``items``, ended with the shutdown grace's error once the grace period ran out."""
+    return ctx.grace.until_expired(items) if ctx.grace is not None else items
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], grace: ShutdownGrace | None = None) -> T:
     """Await ``work`` unless the client disconnects first (then cancel it, which aborts
-    its engine requests, and raise :class:`ClientDisconnected`)."""
+    its engine requests, and raise :class:`ClientDisconnected`) or the shutdown grace
+    period runs out (then cancel it and raise the grace's 503)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -260,15 +327,24 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             pass
 
     watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    waits = {task, watcher}
+    if grace is not None:
+        waits.add(asyncio.ensure_future(grace.expired.wait()))
+    disconnected = False
+    with grace.request() if grace is not None else contextlib.nullcontext():
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            disconnected = watcher.done()
+        finally:
+            for w in waits - {task}:
+                w.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise ClientDisconnected()
+        if disconnected or grace is None:
+            raise ClientDisconnected()
+        raise grace.error()
     return task.result()
 
 
