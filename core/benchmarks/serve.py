@@ -95,12 +95,12 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict:
 
 
 # ---- online ---------------------------------------------------------------------------------
-async def _one(client, model: str, prompt: list[int], ns) -> RequestResult:
+async def _one(client, model: str, prompt: list[int], ns, max_tokens: int | None = None) -> RequestResult:
     start = time.perf_counter()
     ttft, usage = None, None
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=ns.output_len, temperature=ns.temperature, stream=True,
+            model=model, prompt=prompt, max_tokens=max_tokens or ns.output_len, temperature=ns.temperature, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if ttft is None and chunk.choices and chunk.choices[0].text:
@@ -123,7 +123,15 @@ async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tu
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per request otherwise
     async with openai.AsyncOpenAI(base_url=ns.base_url.rstrip("/") + "/v1", api_key=ns.api_key or "none",
                                   max_retries=0, timeout=ns.timeout) as client:
-        model = ns.served_model or (await client.models.list()).data[0].id
+        try:
+            model = ns.served_model or (await client.models.list()).data[0].id
+        except openai.APIConnectionError:
+            raise ValueError(f"no server answers at {ns.base_url}; start one with `core serve` or point "
+                             f"--base-url at it (or run the same load in-process with --offline)") from None
+        # first-use work (allocator growth, kernel warm-up) should not land in the first request's TTFT
+        warm = await _one(client, model, prompts[0], ns, max_tokens=2)
+        if not warm.ok:
+            raise ValueError(f"the warm-up request to {ns.base_url} failed: {warm.error}")
         limit = asyncio.Semaphore(ns.max_concurrency or len(prompts))
         t0 = time.perf_counter()
 
@@ -150,6 +158,13 @@ def _offline_engine(ns):
         raise ValueError(f"--token-range upper bound {hi} exceeds the model's vocabulary ({engine.vocab_size}); "
                          f"lower it, e.g. --token-range 100 {engine.vocab_size}")
     return engine
+
+
+def _warm_up_offline(engine, prompt: list[int], ns) -> None:
+    """One short request, untimed, so first-use work stays out of the measured run."""
+    engine.add_request("bench-warmup", prompt, SamplingParams(temperature=ns.temperature, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _run_offline(engine, ns, prompts: list[list[int]], arrivals: list[float]) -> tuple[list[RequestResult], float, str]:
@@ -187,6 +202,8 @@ def run_serve_bench(ns) -> int:
     engine = _offline_engine(ns) if ns.offline else None
     reports, all_results = [], []
     try:
+        if engine is not None:
+            _warm_up_offline(engine, make_workload(ns, math.inf)[0][0], ns)
         for rate in ns.request_rate:
             prompts, arrivals = make_workload(ns, rate)
             if engine is not None:
