@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 T = TypeVar("T")
 
@@ -57,7 +58,9 @@ def spinner(desc: str, enabled: bool = True) -> Iterator[None]:
 
         def tick() -> None:
             while not done.wait(0.5):
-                b.refresh()
+                # update(0), not refresh(): it honours `delay` and records the draw, so
+                # close() knows there is a line to clear
+                b.update(0)
 
         thread = threading.Thread(target=tick, name="core-spinner", daemon=True)
         thread.start()
@@ -66,3 +69,12 @@ def spinner(desc: str, enabled: bool = True) -> Iterator[None]:
         finally:
             done.set()
             thread.join()
+
+
+@contextmanager
+def starting(desc: str = "starting the engine") -> Iterator[None]:
+    """A spinner over a long start-up (model load, kernel build, KV allocation, warm-up)
+    whose inner steps may draw bars of their own; log lines printed meanwhile go above the
+    bars instead of through them."""
+    with logging_redirect_tqdm(), spinner(desc):
+        yield

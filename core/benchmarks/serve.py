@@ -32,7 +32,7 @@ from core.benchmarks.report import (
     write_json,
 )
 from core.engine_args import EngineArgs
-from core.progress import bar
+from core.progress import bar, starting
 from core.sampling_params import SamplingParams
 
 
@@ -151,7 +151,8 @@ async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tu
 def _offline_engine(ns):
     from core.engine import LLMEngine
 
-    engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
+    with starting():
+        engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
     hi = ns.token_range[1]
     if hi > engine.vocab_size:
         engine.shutdown()

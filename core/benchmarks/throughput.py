@@ -13,7 +13,7 @@ import time
 
 from core.benchmarks.report import add_report_args, check_plot_available, plot_progress, write_json
 from core.engine_args import EngineArgs
-from core.progress import bar
+from core.progress import bar, starting
 from core.sampling_params import SamplingParams
 
 
@@ -33,7 +33,8 @@ def run_throughput(ns) -> int:
     check_plot_available(ns.plot)
     args = EngineArgs.from_cli_args(ns)
     t0 = time.perf_counter()
-    llm = LLM(**vars(args))
+    with starting():
+        llm = LLM(**vars(args))
     startup = time.perf_counter() - t0
     vocab = llm.engine.vocab_size
     rng = random.Random(args.seed)

@@ -41,8 +41,10 @@ def _params(ns):
 
 def _load_llm(ns):
     from core.entrypoints.llm import LLM
+    from core.progress import starting
 
-    return LLM(**vars(EngineArgs.from_cli_args(ns)))
+    with starting():
+        return LLM(**vars(EngineArgs.from_cli_args(ns)))
 
 
 def cmd_generate(ns) -> int:
