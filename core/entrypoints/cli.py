@@ -27,16 +27,26 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                         "whatever else runs (unlike --seed, which seeds the engine once at start)")
 
 
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k", "seed": "--sample-seed"}
+
+
 def _params(ns):
     from core.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        seed=ns.sample_seed,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            top_k=ns.top_k,
+            seed=ns.sample_seed,
+        )
+    except ValueError as e:  # name the flag the user typed, not the field behind it
+        message = str(e)
+        for field, flag in _SAMPLING_FLAGS.items():
+            message = message.replace(f"SamplingParams.{field}=", f"{flag} ")
+        raise ValueError(message) from None
 
 
 def _load_llm(ns):
@@ -226,6 +236,13 @@ class UsageError(Exception):
     """A mistake in how ``core`` was invoked; its message says what to change."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag gets one line and a pointer to --help, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}\n(see `{self.prog} --help`)\n")
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each flag's default after its help, unless the help already speaks of it or
     there is nothing to show (None, or False for an on/off switch)."""
@@ -253,7 +270,7 @@ def _all_parsers(parser: argparse.ArgumentParser):
 def build_parser(device_memory: bool = True) -> argparse.ArgumentParser:
     """The ``core`` parser. ``device_memory=False`` hides the flags that only platforms
     with their own device memory read (they are still accepted)."""
-    parser = argparse.ArgumentParser(prog="core", description="LLM inference and serving engine")
+    parser = _Parser(prog="core", description="LLM inference and serving engine")
     _debug_arg(parser, argparse_default=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -118,3 +118,21 @@ def test_free_port_passes_and_bad_values_are_refused():
         cli.check_port_free("127.0.0.1", 70000)
     with pytest.raises(cli.UsageError, match="--host"):
         cli.check_port_free("no-such-host.invalid", 8000)
+
+
+def test_bad_flag_is_one_line_with_a_pointer_to_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", "--dtype", "float8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: core generate: argument --dtype: invalid choice: 'float8' (choose from 'auto', "
+                   "'float32', 'bfloat16', 'float16')", "(see `core generate --help`)"]
+
+
+def test_sampling_errors_name_the_flag():
+    ns = cli.build_parser().parse_args(["generate", "hi", "--max-tokens", "0"])
+    with pytest.raises(ValueError, match=r"^--max-tokens 0 is invalid"):
+        cli._params(ns)
+    ns = cli.build_parser().parse_args(["generate", "hi", "--top-p", "2"])
+    with pytest.raises(ValueError, match=r"^--top-p 2.0 is invalid"):
+        cli._params(ns)
