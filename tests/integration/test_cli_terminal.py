@@ -162,3 +162,24 @@ def test_kv_too_small_is_one_error_line(chat_model):
     assert "Traceback" not in r.stderr, r.stderr
     err = next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))
     assert "--kv-cache-memory" in err and "--max-model-len" in err, err
+
+
+def test_bench_throughput_shows_progress_between_plan_and_result(chat_model):
+    # bars appear after core.progress.DELAY_S; 0 here so that even a fast machine draws them
+    code = ("import sys, core.progress as p; p.DELAY_S = 0; from core.entrypoints.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    args = ["-c", code, "bench", "throughput", "--model", str(chat_model), "--dtype", "float32",
+            "--kv-cache-memory", "16MiB", "--num-prompts", "4", "--input-len", "8", "--output-len", "16"]
+    env = {**_env(), "CORE_LOG_LEVEL": "INFO"}
+    child = pexpect.spawn(sys.executable, args, env=env, cwd=str(ROOT), encoding="utf-8",
+                          codec_errors="replace", timeout=START_TIMEOUT)
+    try:
+        child.expect_exact("starting the engine")
+        child.expect_exact("loading weights")
+        child.expect_exact("KV cache:")  # the plan, logged above the bars
+        child.expect(r"output tokens: +\d+%")  # the bench's own bar, before the result
+        child.expect_exact("Throughput:")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
