@@ -141,3 +141,16 @@ def test_serve_online_plot(model, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_prefix_plot_and_json(model, tmp_path):
+    from core.benchmarks import prefix
+
+    png, out = tmp_path / "prefix.png", tmp_path / "prefix.json"
+    rc = prefix.main(["--model", str(model), *ENGINE, "--num-requests", "4", "--prefix-len", "32",
+                      "--suffix-len", "4", "--output-len", "3", "--token-range", "10", "500",
+                      "--plot", str(png), "--output-json", str(out)])
+    assert rc == 0
+    _check_png(png)
+    report = json.loads(out.read_text())
+    assert report["outputs_identical"] and [r["prefix_caching"] for r in report["results"]] == [True, False]
