@@ -60,6 +60,7 @@ def _load_llm(ns):
 def cmd_generate(ns) -> int:
     from core.entrypoints.terminal import stream_reply
 
+    params = _params(ns)  # a bad flag value fails before the model loads
     llm = _load_llm(ns)
     try:
         has_template = getattr(llm.get_tokenizer(), "chat_template", None)
@@ -67,7 +68,7 @@ def cmd_generate(ns) -> int:
             prompt = ns.prompt
         else:
             prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}])
-        reply = stream_reply(llm.engine, prompt, _params(ns))
+        reply = stream_reply(llm.engine, prompt, params)
         print(flush=True)
     finally:
         llm.engine.shutdown()
@@ -75,6 +76,7 @@ def cmd_generate(ns) -> int:
 
 
 def cmd_chat(ns) -> int:
+    _params(ns)  # a bad flag value fails before the model loads
     llm = _load_llm(ns)
     try:
         if not getattr(llm.get_tokenizer(), "chat_template", None):
