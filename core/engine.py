@@ -46,7 +46,9 @@ class EngineOverloaded(RuntimeError):
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype:
-    d = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    # transformers 5 names it ``dtype`` and warns on every read of ``torch_dtype``;
+    # configs saved by older versions may carry only the old name
+    d = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     if isinstance(d, str):
         d = getattr(torch, d, None)
     return d if isinstance(d, torch.dtype) else torch.float32
@@ -156,10 +158,11 @@ class LLMEngine:
 
     def _warn_if_oversubscribed(self) -> None:
         """max_num_seqs x max_model_len may exceed the cache: legal and common (most sequences
-        are short), so INFO, but with the numbers, so preemptions under load surprise no one."""
+        are short, and a one-prompt run never comes near it), so DEBUG, with the numbers for
+        whoever investigates preemptions under load."""
         plan, want = self.kv_plan, self.config.scheduler.max_num_seqs
         if plan.max_concurrent_at_max_len < want:
-            logger.info(
+            logger.debug(
                 "max_num_seqs %d x max_model_len %d would need %d KV blocks; the cache holds %d "
                 "(%d sequences at full length). Longer sequences will wait or be preempted; to run "
                 "all at full length raise --kv-cache-memory (or --gpu-memory-utilization) or lower "

@@ -9,6 +9,9 @@ from dataclasses import dataclass, fields
 from core.config import GiB
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+DEVICE_MEMORY_FLAGS = ("--gpu-memory-utilization",)
+"""Flags only platforms with the ``device_memory`` capability read; ``--help`` hides them
+elsewhere."""
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": GiB, "t": 1 << 40}
 
 
@@ -122,33 +125,53 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        g.add_argument("--tokenizer", default=None)
-        g.add_argument("--platform", default=None, help="platform name (see `core platforms`)")
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--block-size", type=int, default=None)
-        g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host swap for KV blocks")
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        g.add_argument("--num-blocks-override", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--max-num-batched-tokens", type=int, default=None)
-        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-        g.add_argument("--watermark-blocks", type=int, default=0)
-        g.add_argument("--max-num-partial-prefills", type=int, default=1)
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        g.add_argument("--executor", default="auto", choices=["auto", "uni", "mp", "ray"])
-        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "pt", "dummy"])
+        g.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's own)")
+        g.add_argument("--platform", default=None,
+                       help="platform name (default: CORE_PLATFORM, else the best probe; see `core platforms`)")
+        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="compute dtype; auto = the platform's choice for the checkpoint")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + reply in tokens (default: the model's max_position_embeddings)")
+        g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the platform's)")
+        g.add_argument("--kv-cache-memory", default=None,
+                       help="KV cache size, e.g. 2GiB (default: the platform's budget)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of the device's memory for weights, activations and KV cache "
+                            "(platforms with their own device memory; --kv-cache-memory overrides)")
+        g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out KV blocks")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="do not reuse the KV blocks of a shared prompt prefix")
+        g.add_argument("--num-blocks-override", type=int, default=None,
+                       help="exact number of KV blocks, ignoring the memory budget (for tests)")
+        g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step's batch")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="most tokens in one step (default: max(2048, min(max-model-len, 8192)))")
+        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       help="prefill each prompt in one step instead of in chunks")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="fcfs = arrival order; priority = lower priority value first, then arrival")
+        g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                       help="what a preempted sequence loses: its KV (recompute) or moves it to host (swap)")
+        g.add_argument("--watermark-blocks", type=int, default=0,
+                       help="free KV blocks kept in reserve when admitting new requests")
+        g.add_argument("--max-num-partial-prefills", type=int, default=1,
+                       help="how many prompts may be mid-prefill at once")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
+        g.add_argument("--executor", default="auto", choices=["auto", "uni", "mp", "ray"],
+                       help="where the model runs: uni = this process, mp = one process per rank, ray")
+        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "pt", "dummy"],
+                       help="checkpoint format; dummy = random weights of the model's shape (benchmarks)")
         g.add_argument("--weight-format", default="auto",
                        help="in-memory weight format: auto (platform's choice), dense, or a platform format (cpu: int8, int4)")
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--attention-backend", default=None)
-        g.add_argument("--enforce-eager", action="store_true")
-        g.add_argument("--max-waiting-requests", type=int, default=None)
-        g.add_argument("--disable-log-stats", action="store_true")
+        g.add_argument("--seed", type=int, default=0,
+                       help="seed of the engine's random state at start (dummy weights; sampling of "
+                            "requests without --sample-seed)")
+        g.add_argument("--attention-backend", default=None,
+                       help="attention backend by name (default: the platform's)")
+        g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
+        g.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="refuse new requests while this many wait (default: no limit)")
+        g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput and queue log lines from the server")
         g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs")
 
     @classmethod

@@ -60,13 +60,17 @@ def plan_kv_cache(
     if num_blocks < need:
         need_bytes = need * bytes_per_block
         fits = max(0, num_blocks - 1) * block_size
-        lower = f"Lower --max-model-len to at most {fits}" if fits else "The budget holds no sequence at all"
+        raise_it = (
+            f"raise --kv-cache-memory (or, on a GPU, --gpu-memory-utilization) to at least "
+            f"{format_bytes(need_bytes)}"
+        )
+        # with no usable block, lowering max_model_len cannot help: offer only the budget
+        fix = f"lower --max-model-len to at most {fits} or {raise_it}" if fits else raise_it
         raise ValueError(
             f"max_model_len {max_model_len} needs {need - 1} blocks of {block_size} tokens (plus "
             f"1 reserved block; {format_bytes(bytes_per_block)} per block, {format_bytes(need_bytes)} "
             f"in all); the KV budget of {format_bytes(budget_bytes)} holds {num_blocks} blocks. "
-            f"{lower} or raise --kv-cache-memory (or --gpu-memory-utilization) to at least "
-            f"{format_bytes(need_bytes)}"
+            f"To fix: {fix}"
         )
     return plan
 

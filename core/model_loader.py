@@ -29,6 +29,7 @@ from core.config import ModelConfig
 from core.gguf_file import load_gguf_config, open_index
 from core.models import ModelContext, ModelRegistry
 from core.models.layers import RMSNorm
+from core.progress import track
 
 logger = logging.getLogger(__name__)
 
@@ -278,5 +279,25 @@ def load_model(model_config: ModelConfig, ctx: ModelContext, registry: ModelRegi
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_weights(model_config))
+        # every rank reads the checkpoint; one bar is enough
+        weights = track(iter_weights(model_config), count_tensors(model_config), "loading weights",
+                        unit="tensor", enabled=ctx.comm.rank == 0)
+        model.load_weights(weights)
     return model.eval()
+
+
+def count_tensors(model_config: ModelConfig) -> int | None:
+    """How many tensors :func:`iter_weights` will yield (for the progress bar), read from
+    the files' indexes without loading a tensor; None when only unpickling would tell."""
+    if model_config.gguf_file:
+        return sum(gguf_to_hf_name(t.name) is not None for t in open_index(model_config.gguf_file).tensors)
+    if model_config.load_format not in ("auto", "safetensors"):
+        return None
+    from safetensors import safe_open
+
+    files = _checkpoint_files(model_config.model, "model.safetensors.index.json", "*.safetensors")
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            total += len(f.keys())
+    return total or None

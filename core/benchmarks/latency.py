@@ -11,23 +11,24 @@ of that first iteration; ``served_at_unix`` lets a caller measure from process l
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 
+from core.benchmarks.report import add_report_args, check_plot_available, plot_latencies, write_json
 from core.engine_args import EngineArgs
+from core.progress import bar, starting
 from core.sampling_params import SamplingParams
 
 
 def add_latency_args(p) -> None:
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--batch-size", type=int, default=1, help="requests per iteration, sent together")
+    p.add_argument("--num-iters", type=int, default=5, help="timed iterations (after one untimed)")
     p.add_argument("--greedy", action="store_true",
                    help="temperature 0 (default: temperature 1, as vLLM's latency benchmark)")
-    p.add_argument("--output-json", default=None)
+    add_report_args(p)
     EngineArgs.add_cli_args(p)
 
 
@@ -48,9 +49,11 @@ def _iteration(llm, prompts: list[list[int]], params: SamplingParams) -> list[di
 def run_latency(ns) -> int:
     from core.entrypoints.llm import LLM
 
+    check_plot_available(ns.plot)
     args = EngineArgs.from_cli_args(ns)
     t0 = time.perf_counter()
-    llm = LLM(**vars(args))
+    with starting():
+        llm = LLM(**vars(args))
     startup = time.perf_counter() - t0
     rng = random.Random(args.seed)
     vocab = llm.engine.vocab_size
@@ -61,10 +64,15 @@ def run_latency(ns) -> int:
 
     params = SamplingParams(temperature=0.0 if ns.greedy else 1.0, top_p=1.0,
                             max_tokens=ns.output_len, ignore_eos=True)
-    _iteration(llm, prompts(), params)
-    first_request = time.perf_counter() - t0
-    served_at = time.time()
-    rows = [r for _ in range(ns.num_iters) for r in _iteration(llm, prompts(), params)]
+    with bar(ns.num_iters + 1, "iterations (first untimed)", unit="it") as iters:
+        _iteration(llm, prompts(), params)
+        iters.update(1)
+        first_request = time.perf_counter() - t0
+        served_at = time.time()
+        rows = []
+        for _ in range(ns.num_iters):
+            rows += _iteration(llm, prompts(), params)
+            iters.update(1)
     result = {
         "batch_size": ns.batch_size,
         "input_len": ns.input_len,
@@ -86,8 +94,11 @@ def run_latency(ns) -> int:
         f"{ns.batch_size}), TTFT {result['ttft_ms_median']:.1f} ms, engine start "
         f"{startup:.1f} s, first request served after {first_request:.1f} s"
     )
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(ns.output_json, result)
     llm.engine.shutdown()
+    if ns.plot:
+        series = {name: [r[f"{name[:-3]}_s"] * 1e3 for r in rows] for name in ("ttft_ms", "tpot_ms", "e2e_ms")}
+        plot_latencies(ns.plot, series, f"core bench latency: batch {ns.batch_size}, "
+                       f"{ns.input_len}/{ns.output_len} tokens, {ns.num_iters} iterations")
+        print(f"plot written to {ns.plot}")
     return 0

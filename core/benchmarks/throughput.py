@@ -1,22 +1,40 @@
-"""``core bench throughput``: N requests of random tokens through the offline engine."""
+"""``core bench throughput``: N requests of random tokens through the offline engine.
+
+All requests are queued at once and the engine is stepped until every one has finished;
+throughput is tokens over that wall time. A bar on stderr counts output tokens as they are
+generated (the engine's running total, so the requests need no per-step outputs).
+"""
 
 from __future__ import annotations
 
-import json
 import platform as host
 import random
 import time
 
+from core.benchmarks.report import add_report_args, check_plot_available, plot_progress, write_json
 from core.engine_args import EngineArgs
+from core.progress import bar, starting
 from core.sampling_params import SamplingParams
+
+
+def add_throughput_args(p) -> None:
+    p.add_argument("--num-prompts", type=int, default=32, help="requests, all queued at once")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--step-timing", action="store_true",
+                   help="time schedule / execute / update of every step separately")
+    add_report_args(p)
+    EngineArgs.add_cli_args(p)
 
 
 def run_throughput(ns) -> int:
     from core.entrypoints.llm import LLM
 
+    check_plot_available(ns.plot)
     args = EngineArgs.from_cli_args(ns)
     t0 = time.perf_counter()
-    llm = LLM(**vars(args))
+    with starting():
+        llm = LLM(**vars(args))
     startup = time.perf_counter() - t0
     vocab = llm.engine.vocab_size
     rng = random.Random(args.seed)
@@ -24,10 +42,7 @@ def run_throughput(ns) -> int:
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(ns.input_len)] for _ in range(ns.num_prompts)]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=ns.output_len, ignore_eos=True, seed=None)
     t0 = time.perf_counter()
-    if ns.step_timing:
-        outs, split = _generate_timed(llm.engine, prompts, params)
-    else:
-        outs, split = llm.generate(prompts, params, use_tqdm=False), None
+    outs, split, progress = _generate(llm.engine, prompts, params, ns.step_timing)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -45,6 +60,7 @@ def run_throughput(ns) -> int:
         "dtype": llm.engine.config.model.dtype,
         "machine": f"{host.machine()} {host.processor() or ''}".strip(),
     }
+    llm.engine.shutdown()
     if split is not None:
         result["step_split_s"] = split
         print("step time split (s): " + ", ".join(f"{k} {v}" for k, v in split.items()))
@@ -53,33 +69,46 @@ def run_throughput(ns) -> int:
         f"{result['output_tokens_per_s']:.1f} output tokens/s, "
         f"{result['total_tokens_per_s']:.1f} total tokens/s ({elapsed:.1f} s)"
     )
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    llm.engine.shutdown()
+    write_json(ns.output_json, result)
+    if ns.plot:
+        e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
+        ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+        title = f"core bench throughput: {result['model']}, {ns.num_prompts} x {ns.input_len}/{ns.output_len}"
+        plot_progress(ns.plot, progress, {"ttft_s": ttft, "e2e_s": e2e}, title)
+        print(f"plot written to {ns.plot}")
     return 0
 
 
-def _generate_timed(engine, prompts, params) -> tuple[list, dict]:
-    """The engine loop of ``LLM.generate`` with each part of ``step()`` timed separately:
-    schedule (host), execute (inputs, forward, sampling: ends in a device sync, so it holds
-    the device time), update (host: detokenize, stop checks, outputs)."""
+def _generate(engine, prompts, params, step_timing: bool) -> tuple[list, dict | None, list[tuple[float, int]]]:
+    """The engine loop of ``LLM.generate``, with a token bar, ``(seconds, output tokens so
+    far)`` samples for the progress plot and, with ``step_timing``, each part of
+    ``step()`` timed separately: schedule (host), execute (inputs, forward, sampling: ends
+    in a device sync, so it holds the device time), update (host: detokenize, stop
+    checks, outputs)."""
     ids = [engine.add_request(None, p, params, final_only=True) for p in prompts]
+    counters = engine.output_processor.counters
+    base = counters.generation_tokens
     done: dict[str, object] = {}
     split = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
     steps = {"decode_only": 0, "with_prefill": 0}
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        sched = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        result = engine.executor.execute(sched)
-        t2 = time.perf_counter()
-        for out in engine.output_processor.update(sched, result):
-            if out.finished:
-                done[out.request_id] = out
-        t3 = time.perf_counter()
-        split["schedule"] += t1 - t0
-        split["execute"] += t2 - t1
-        split["update"] += t3 - t2
-        steps["with_prefill" if sched.num_prefills else "decode_only"] += 1
-    return [done[i] for i in ids], {**{k: round(v, 3) for k, v in split.items()}, **steps}
+    start, samples = time.perf_counter(), [(0.0, 0)]
+    with bar(len(prompts) * params.max_tokens, "output tokens", unit="tok") as tokens:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            sched = engine.scheduler.schedule()
+            t1 = time.perf_counter()
+            result = engine.executor.execute(sched)
+            t2 = time.perf_counter()
+            for out in engine.output_processor.update(sched, result):
+                if out.finished:
+                    done[out.request_id] = out
+            t3 = time.perf_counter()
+            split["schedule"] += t1 - t0
+            split["execute"] += t2 - t1
+            split["update"] += t3 - t2
+            steps["with_prefill" if sched.num_prefills else "decode_only"] += 1
+            generated = counters.generation_tokens - base
+            tokens.update(generated - tokens.n)
+            samples.append((t3 - start, generated))
+    timing = {**{k: round(v, 3) for k, v in split.items()}, **steps} if step_timing else None
+    return [done[i] for i in ids], timing, samples

@@ -111,7 +111,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Add the HTTP flags and the engine flags to ``parser``."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (checked before the model loads)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open)")
     g.add_argument("--served-model-name", default=None,
@@ -121,7 +121,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request at INFO")
     g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP layer (info and below also log each access)")
     g.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host header values to answer ('*' = any, '*.example.com'); "
                         "default: localhost, 127.0.0.1, [::1] for a loopback --host (DNS-rebinding "
