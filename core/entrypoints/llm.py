@@ -42,7 +42,14 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
-        ids = [self.engine.add_request(None, p, sp, final_only=True) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(None, p, sp, final_only=True))
+        except BaseException:  # all or nothing: a refused prompt leaves none of the batch queued
+            for rid in ids:
+                self.engine.abort_request(rid, report=False)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
