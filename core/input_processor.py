@@ -6,6 +6,7 @@ engine core's loop, so a huge prompt cannot stall generation."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Any
 
@@ -47,10 +48,19 @@ class InputProcessor:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text = prompt
-        else:
+        elif prompt is None or isinstance(prompt, (list, tuple)):
             ids, text = list(prompt or []), None
+        else:
+            raise ValueError(
+                f"the prompt must be a string or a list of token ids, not {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
+        # bool is an int subclass and 3.0 == 3, but neither is a token id a caller meant.
+        not_ids = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if not_ids:
+            raise ValueError(f"prompt token ids must be integers; got {not_ids[:5]!r}")
+        ids = [int(t) for t in ids]  # numpy integers too; the wire carries plain ints
         bad = [t for t in ids if not (0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")

@@ -98,3 +98,16 @@ def test_abort_and_engine_abort_reason_finish_every_sample(tok):
     outs, _ = proc.process([RequestDelta("b", finished=True, abort_reason="can no longer fit")])
     assert [c.finish_reason for c in outs[0].outputs] == ["abort"] * 3
     assert not proc.has_unfinished()
+
+
+def test_the_input_processor_refuses_what_is_not_a_prompt(tok):
+    from core.input_processor import InputProcessor
+
+    inp = InputProcessor(tok, 512, max_model_len=64)
+    for bad, match in [(None, "empty"), ([], "empty"), (123, "not int"), ({"a": 1}, "not dict"),
+                       ([1, True], "must be integers"), ([1, 2.0], "must be integers"),
+                       ([1, 512], r"outside the vocabulary \[0, 512\)"), (list(range(1, 65)), "max_model_len is 64")]:
+        with pytest.raises(ValueError, match=match):
+            inp.process("r", bad, SamplingParams())
+    req, text = inp.process("r", "hi there", SamplingParams(max_tokens=None))
+    assert text == "hi there" and req.params.max_tokens == 64 - len(req.prompt_token_ids)
