@@ -162,6 +162,8 @@ class _Loop:
         """Serve until told to shut down (0), orphaned (0) or broken (1)."""
         try:
             while True:
+                if os.getppid() != self.parent_pid:  # also while busy: one cheap syscall
+                    raise _Orphaned()
                 busy = self.core.has_unfinished_requests()
                 stop = self._commands(block=not busy)
                 if stop:

@@ -261,3 +261,25 @@ def test_sigkill_of_the_engine_core_fails_requests_fast_and_health_is_503(model_
     finally:
         _stop(s)
     assert s.proc.returncode == 0
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped by whoever adopted it counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_engine_core_exits_when_the_server_is_killed(model_dir, tmp_path):
+    s = _start(model_dir, tmp_path / "orphan.log", "--kv-cache-memory", "32MiB")
+    pid = s.engine_core_pid()
+    s.proc.kill()  # no shutdown: the child must notice on its own
+    s.proc.wait()
+    deadline = time.monotonic() + WAIT_S
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not _gone(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the engine core (pid {pid}) outlived its server by {WAIT_S}s")
