@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -131,6 +132,9 @@ def run_engine_core(
     out.connect(output_addr)
     enc = msgspec.msgpack.Encoder()
     code = 0
+    started = threading.Event()
+    threading.Thread(target=_exit_if_orphaned, args=(parent_pid, started), name="core-orphan-watch",
+                     daemon=True).start()
     try:
         try:
             core = make_core(args)
@@ -140,6 +144,7 @@ def run_engine_core(
             code = 1
             return
         out.send(enc.encode(Ready(core.info(os.getpid()))))
+        started.set()  # from here the loop itself notices a vanished parent
         code = _Loop(core, commands, out, parent_pid).run()
     finally:
         commands.close(linger=0)
@@ -147,6 +152,15 @@ def run_engine_core(
         ctx.term()
         sys.stdout.flush()
         os._exit(code)  # skip interpreter teardown of torch/executor threads
+
+
+def _exit_if_orphaned(parent_pid: int, started: threading.Event) -> None:
+    """While the model loads (or waits for a kernel build), nothing else would notice that
+    the front end died: exit then rather than load for nobody and linger forever."""
+    while not started.wait(IDLE_POLL_MS / 1000):
+        if os.getppid() != parent_pid:
+            logger.warning("the front end (pid %d) is gone during start-up; the engine core exits", parent_pid)
+            os._exit(0)
 
 
 class _Loop:

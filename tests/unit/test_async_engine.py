@@ -295,3 +295,42 @@ def test_a_start_up_error_in_the_child_reaches_the_caller(model_dir):
     with pytest.raises(EngineStartupError, match="max-model-len 100000 exceeds the model's max_position_embeddings"):
         AsyncLLMEngine(EngineArgs(model=model_dir, **{**ARGS, "max_model_len": 100000}))
     assert time.monotonic() - t0 < WAIT_S
+
+
+def slow_core(args: EngineArgs) -> EngineCore:
+    """An engine-core factory whose start-up never ends (a stuck load or kernel-build lock)."""
+    print(f"engine core pid {os.getpid()}", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def test_an_engine_core_still_starting_exits_when_its_front_end_dies(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path[:0] = %r\n"
+        "from core.async_engine import AsyncLLMEngine\nfrom core.engine_args import EngineArgs\n"
+        "from test_async_engine import slow_core\n"
+        "AsyncLLMEngine(EngineArgs(model=%r), make_core=slow_core)\n"
+    ) % ([str(__import__("pathlib").Path(__file__).parent), *sys.path], model_dir)
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = front.stdout.readline()  # printed by the child once it runs the factory
+        assert line.startswith("engine core pid"), line
+        pid = int(line.split()[-1])
+    finally:
+        front.kill()
+        front.wait()
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the starting engine core (pid {pid}) outlived its front end by {WAIT_S}s")
