@@ -11,6 +11,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -308,12 +309,13 @@ def test_an_engine_core_still_starting_exits_when_its_front_end_dies(model_dir, 
     import subprocess
     import sys
 
+    path = [str(Path(__file__).parent), *sys.path]
     script = (
-        "import sys; sys.path[:0] = %r\n"
+        f"import sys; sys.path[:0] = {path!r}\n"
         "from core.async_engine import AsyncLLMEngine\nfrom core.engine_args import EngineArgs\n"
         "from test_async_engine import slow_core\n"
-        "AsyncLLMEngine(EngineArgs(model=%r), make_core=slow_core)\n"
-    ) % ([str(__import__("pathlib").Path(__file__).parent), *sys.path], model_dir)
+        f"AsyncLLMEngine(EngineArgs(model={model_dir!r}), make_core=slow_core)\n"
+    )
     front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         line = front.stdout.readline()  # printed by the child once it runs the factory
