@@ -1,16 +1,22 @@
-"""AsyncLLMEngine: one background thread drives :class:`~core.engine.LLMEngine`; asyncio
-code talks to it through commands and per-request streams.
+"""AsyncLLMEngine: the front end of an engine core that runs in its own process.
+
+The engine core (:mod:`core.engine_core.process`) only schedules, executes and updates;
+this process keeps everything else: tokenization (on its own thread, so a huge prompt never
+stalls generation), detokenization and stop strings (on the output thread), and the asyncio
+streams the HTTP handlers read.
 
 Invariants:
 
-- The engine object is touched only by the engine thread (it is not thread-safe). Other
-  threads send commands (add, abort, call, stop) that the thread runs between steps.
-- A request's stream is registered *before* its add command is queued, so every output the
-  engine produces for it is delivered; the stream ends after the finished output.
-- A consumer that stops early (cancelled task, closed iterator) aborts its request; the
-  engine frees its KV blocks when it runs the abort command, before the next step.
-- If a step raises, the engine is dead: every waiting consumer receives
-  :class:`EngineDeadError`, new requests are refused, and :meth:`check_health` raises.
+- A request's stream and output state are registered *before* its add command is sent, so
+  every delta the engine core produces for it is delivered; the stream ends after the
+  finished output.
+- :meth:`AsyncLLMEngine.add_request` returns once the engine core accepted the request, and
+  raises its ``ValueError`` (HTTP 400) or :class:`~core.engine.EngineOverloaded` (503).
+- A consumer that stops early (cancelled task, closed iterator) aborts its request: the abort
+  crosses to the engine core, which frees its KV blocks before its next step.
+- If the engine core dies (a failed step, a crash, SIGKILL), every waiting consumer receives
+  :class:`EngineDeadError` within about :data:`POLL_S`, new requests are refused, and
+  :meth:`check_health` raises. No wait is unbounded.
 """
 
 from __future__ import annotations
@@ -18,29 +24,65 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from core.engine import LLMEngine
+import msgspec
+import zmq
+
 from core.engine_args import EngineArgs
+from core.engine_core.core import EngineCore, EngineOverloaded
+from core.engine_core.process import (
+    AbortRequests,
+    Acks,
+    AddRequest,
+    Dead,
+    Message,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    Stats,
+    StepOutputs,
+    StopSample,
+    build_engine_core,
+    run_engine_core,
+)
+from core.engine_core.types import EngineInfo
+from core.input_processor import InputProcessor
+from core.output_processor import OutputProcessor
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
+from core.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+POLL_S = 0.1
+"""How often the output thread checks that the engine-core process is alive while it is quiet."""
+STARTUP_TIMEOUT_S = 1800.0
+"""Longest wait for the engine core to load the model (a large checkpoint, a first kernel build)."""
+
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped because of an error; the server must be restarted."""
+    """The engine core stopped because of an error; the server must be restarted."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start; the message says why."""
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Engine-wide numbers copied by the engine thread after each step (read by /metrics)."""
+    """Engine-wide numbers, replaced after each step and command batch (read by /metrics)."""
 
     scheduler: Any
     """The scheduler's ``stats()`` value (SchedulerStats), or None before the first step."""
@@ -49,7 +91,7 @@ class EngineSnapshot:
 
 
 class RequestStream:
-    """Outputs of one request, fed from the engine thread, read by one asyncio consumer.
+    """Outputs of one request, fed from the output thread, read by one asyncio consumer.
 
     An async iterator of cumulative :class:`RequestOutput` values (when the consumer falls
     behind, intermediate ones are skipped: the latest already contains them) that ends
@@ -102,29 +144,118 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Runs an :class:`LLMEngine` on a background thread for asyncio servers.
+    """Starts an engine-core process for ``args`` and serves asyncio code from it.
 
-    Use :meth:`add_request` (returns a :class:`RequestStream` once the engine accepted the
-    request, raising its ``ValueError`` / ``EngineOverloaded`` otherwise) or :meth:`generate`
-    (the same as one async iterator).
+    Use :meth:`add_request` (returns a :class:`RequestStream` once the engine core accepted
+    the request) or :meth:`generate` (the same as one async iterator).
+
+    :param make_core: builds the engine core inside the child (a picklable module-level
+        function; tests pass one that injects faults)
+    :raises EngineStartupError: the engine core failed to start (its message says why)
     """
 
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
-        self.engine = engine
+    def __init__(
+        self,
+        args: EngineArgs,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+        make_core: Callable[[EngineArgs], EngineCore] = build_engine_core,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+    ):
         self._on_finished = on_finished
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _streams, _acks, _outputs, _dead
+        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()  # guards _streams and _dead
+        self._acks: dict[str, concurrent.futures.Future] = {}
         self._dead: BaseException | None = None
         self._shut_down = False
         self._ids = 0
         self.snapshot = EngineSnapshot(scheduler=None)
-        self._thread = threading.Thread(target=self._run, name="core-engine", daemon=True)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Message)
+        self._start_process(args, make_core)
+        try:
+            self.info: EngineInfo = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._stop_process(timeout=5.0)
+            self._close_sockets()
+            raise
+        logger.info("engine core running in process %d", self.proc.pid)
+        info = self.info
+        self.vocab_size = info.vocab_size
+        self.tokenizer = load_tokenizer(info.tokenizer, info.gguf_file, info.cache_dir)
+        self._inputs = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len)
+        # Its own tokenizer: the output thread decodes while the tokenizer thread encodes,
+        # and one HF fast tokenizer must not be used from two threads at once.
+        self._outputs = OutputProcessor(load_tokenizer(info.tokenizer, info.gguf_file, info.cache_dir))
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-tokenizer")
+        self._thread = threading.Thread(target=self._receive_loop, name="core-outputs", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_args(args), **kwargs)
+    # ---- the process ----------------------------------------------------------------------
+    def _start_process(self, args: EngineArgs, make_core: Callable[[EngineArgs], EngineCore]) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="core-ipc-")
+        command_addr = f"ipc://{self._ipc_dir}/commands"
+        output_addr = f"ipc://{self._ipc_dir}/outputs"
+        self._zmq = zmq.Context()
+        self._cmd = self._zmq.socket(zmq.PUSH)
+        self._cmd.setsockopt(zmq.SNDHWM, 0)  # never block or drop a command
+        self._cmd.setsockopt(zmq.LINGER, 0)
+        self._cmd.bind(command_addr)
+        self._out = self._zmq.socket(zmq.PULL)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        self._out.bind(output_addr)
+        # spawn: a fresh interpreter (no inherited threads or device state); not a daemon,
+        # because a tensor-parallel executor starts worker processes of its own.
+        ctx = multiprocessing.get_context("spawn")
+        level = logging.getLogger("core").getEffectiveLevel()
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(args, command_addr, output_addr, os.getpid(), level, make_core),
+            name="core-engine-core",
+            daemon=False,
+        )
+        self.proc.start()
+
+    def _wait_ready(self, timeout: float) -> EngineInfo:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._out.poll(int(POLL_S * 1000)):
+                msg = self._dec.decode(self._out.recv())
+                if isinstance(msg, Ready):
+                    return msg.info
+                if isinstance(msg, StartupFailed):
+                    raise EngineStartupError(f"the engine failed to start: {msg.message}")
+            elif not self.proc.is_alive():
+                raise EngineStartupError(
+                    f"the engine core process (pid {self.proc.pid}) {_exit_description(self.proc.exitcode)} "
+                    "during start-up; see the log above for why"
+                )
+            if time.monotonic() > deadline:
+                raise EngineStartupError(
+                    f"the engine core did not start within {timeout:.0f} s (still loading?); "
+                    "check the log above, or give it longer"
+                )
+
+    def _stop_process(self, timeout: float) -> None:
+        self.proc.join(timeout)
+        for stop in (self.proc.terminate, self.proc.kill):
+            if not self.proc.is_alive():
+                break
+            stop()
+            self.proc.join(5.0)
+
+    def _close_sockets(self) -> None:
+        with self._send_lock:
+            self._cmd.close(linger=0)
+        self._out.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _send(self, command: Any) -> None:
+        data = self._enc.encode(command)
+        with self._send_lock:
+            if not self._cmd.closed:
+                self._cmd.send(data)
 
     # ---- public API (any thread / event loop) ---------------------------------------------
     async def add_request(
@@ -135,23 +266,30 @@ class AsyncLLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it."""
+        """Tokenize and check the request, hand it to the engine core, and return its stream
+        once the engine core has accepted it."""
         request_id = request_id or self._next_id()
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:  # commands are queued under the lock so _die() fails them all
+        loop = asyncio.get_running_loop()
+        with self._lock:
             self._raise_if_dead()
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
+            self._raise_if_taken(request_id)
+        req, text = await loop.run_in_executor(
+            self._tokenizer_pool, self._inputs.process, request_id, prompt, params, priority, arrival_time
+        )
+        stream = RequestStream(request_id, loop, self.abort)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._raise_if_dead()
+            self._raise_if_taken(request_id)
             self._streams[request_id] = stream  # before the add: no output can be missed
-            self._commands.put(("add", fut, request_id, prompt, params, priority, arrival_time))
+            self._acks[request_id] = fut
+            self._outputs.add_request(req, text)
+        self._send(AddRequest(req))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
-            with self._lock:
-                self._streams.pop(request_id, None)
             refused = fut.done() and not fut.cancelled() and fut.exception() is not None
-            if not refused:  # cancelled: the add may have run already; the abort follows it
+            if not refused:  # cancelled while waiting: the add may have run; the abort follows it
                 self.abort(request_id)
             raise
         return stream
@@ -172,142 +310,168 @@ class AsyncLLMEngine:
             stream.close()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe, non-blocking); its blocks are freed before the next step."""
-        self._commands.put(("abort", request_id))
+        """Abort a request (thread-safe, non-blocking): it finishes here now with reason
+        'abort', and the engine core frees its blocks before its next step."""
+        with self._lock:
+            out = self._outputs.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            self._acks.pop(request_id, None)
+            dead = self._dead is not None
+        if out is not None:
+            self._report_finished(out)
+            if stream is not None:
+                stream.put(out)
+        if not dead:
+            self._send(AbortRequests([request_id]))
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps (e.g. to use the tokenizer,
-        which is not safe to share between threads) and return its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    async def call(self, fn: Callable[[AsyncLLMEngine], T]) -> T:
+        """Run ``fn(self)`` on the tokenizer thread (for ``self.tokenizer``, which is not safe
+        to share between threads, e.g. chat templates) and return its result."""
         with self._lock:
             self._raise_if_dead()
-            self._commands.put(("call", fut, fn))
-        return await asyncio.wrap_future(fut)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, self)
 
     def check_health(self) -> None:
-        """Raise :class:`EngineDeadError` if the engine loop died or stopped, or a worker
-        process of the executor died. May block (a Ray ping): call it off the event loop."""
+        """Raise :class:`EngineDeadError` if the engine core died or was shut down."""
         with self._lock:
             self._raise_if_dead()
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread is not running")
-        try:  # a tensor-parallel worker may have died while the engine sat idle
-            self.engine.executor.check_health()
-        except RuntimeError as e:
-            raise EngineDeadError(str(e)) from e
+        if not self.proc.is_alive():
+            raise EngineDeadError(self._death_message())
 
     @property
     def is_dead(self) -> bool:
-        return self._dead is not None or not self._thread.is_alive()
+        return self._dead is not None or not self.proc.is_alive()
 
     def num_open_streams(self) -> int:
         with self._lock:
             return len(self._streams)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the loop and release the engine (idempotent). Consumers still waiting get
-        :class:`EngineDeadError`."""
+        """Stop the engine core (idempotent); consumers still waiting get
+        :class:`EngineDeadError`. The process gets ``timeout`` seconds, then is terminated."""
         with self._lock:
             if self._shut_down:
                 return
             self._shut_down = True
-        if self._thread.is_alive():
-            self._commands.put(("stop",))
-            self._thread.join(timeout)
-        self.engine.shutdown()
-
-    # ---- engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                if not self._run_commands(block=not busy):
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
-                self._publish_snapshot()
-        except BaseException as e:  # noqa: BLE001 - any failure kills the loop; tell everyone
-            logger.exception("engine loop failed; the engine is dead")
-            self._die(e)
-            return
+        if self.proc.is_alive():
+            self._send(Shutdown())
+        self._stop_process(30.0 if timeout is None else timeout)
+        self._thread.join(10.0)
         self._die(EngineDeadError("the engine was shut down"))
+        self._tokenizer_pool.shutdown(wait=False)
+        self._close_sockets()
 
-    def _run_commands(self, block: bool) -> bool:
-        """Run queued commands (waiting for one if ``block``); False once told to stop."""
+    # ---- output thread --------------------------------------------------------------------
+    def _receive_loop(self) -> None:
         try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if cmd[0] == "stop":
-                return False
-            self._run_command(cmd)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                self._publish_snapshot()
-                return True
+            while self._dead is None:
+                if self._out.poll(int(POLL_S * 1000)):
+                    self._handle(self._dec.decode(self._out.recv()))
+                elif not self.proc.is_alive():
+                    self._die(EngineDeadError(self._death_message()))
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave consumers hanging
+            logger.exception("the output thread failed")
+            self._die(EngineDeadError(f"the engine front end failed: {e!r}; restart the server"))
 
-    def _run_command(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind in ("add", "call") and not cmd[1].set_running_or_notify_cancel():
-            return  # the caller gave up before the command ran
-        if kind == "add":
-            _, fut, request_id, prompt, params, priority, arrival = cmd
-            try:
-                self.engine.add_request(request_id, prompt, params, priority, arrival)
-            except Exception as e:  # a refused request; the engine itself is fine
-                fut.set_exception(e)
-            else:
-                fut.set_result(request_id)
-        elif kind == "abort":
-            self.engine.abort_request(cmd[1])
-        elif kind == "call":
-            _, fut, fn = cmd
-            try:
-                fut.set_result(fn(self.engine))
-            except Exception as e:
-                fut.set_exception(e)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if out.finished and self._on_finished is not None:
-                try:
-                    self._on_finished(out)
-                except Exception:  # metrics must never take the engine down
-                    logger.exception("on_finished callback failed for %s", out.request_id)
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, StepOutputs):
             with self._lock:
-                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+                outputs, stops = self._outputs.process(msg.deltas)
+                finished = [o for o in outputs if o.finished]
+                targets = [self._stream_for(o) for o in outputs]
+                self._publish(msg.stats)
+            for out in finished:
+                self._report_finished(out)
+            for stream, out in zip(targets, outputs):
+                if stream is not None:
+                    stream.put(out)
+            for hit in stops:
+                self._send(StopSample(hit.request_id, hit.index))
+        elif isinstance(msg, Acks):
+            self._acknowledge(msg)
+        elif isinstance(msg, Stats):
+            with self._lock:
+                self._publish(msg.stats)
+        elif isinstance(msg, Dead):
+            self._die(EngineDeadError(f"{msg.message}; restart the server"))
 
-    def _publish_snapshot(self) -> None:
-        c = self.engine.output_processor.counters
-        self.snapshot = EngineSnapshot(self.engine.scheduler.stats(), c.prompt_tokens, c.generation_tokens)
+    def _stream_for(self, out: RequestOutput) -> RequestStream | None:
+        if out.finished:
+            return self._streams.pop(out.request_id, None)
+        return self._streams.get(out.request_id)
 
-    def _die(self, exc: BaseException) -> None:
+    def _acknowledge(self, acks: Acks) -> None:
         with self._lock:
-            self._dead = exc
+            futs = [(self._acks.pop(rid, None), None) for rid in acks.accepted]
+            for r in acks.refused:
+                self._outputs.discard(r.request_id)
+                self._streams.pop(r.request_id, None)
+                exc = EngineOverloaded(r.message) if r.kind == "overloaded" else ValueError(r.message)
+                futs.append((self._acks.pop(r.request_id, None), exc))
+        for fut, exc in futs:
+            if fut is None:
+                continue
+            try:
+                fut.set_result(None) if exc is None else fut.set_exception(exc)
+            except concurrent.futures.InvalidStateError:
+                pass  # the caller gave up (cancelled) first; its abort is on the way
+
+    def _publish(self, stats: Any) -> None:
+        c = self._outputs.counters
+        self.snapshot = EngineSnapshot(stats, c.prompt_tokens, c.generation_tokens)
+
+    def _report_finished(self, out: RequestOutput) -> None:
+        if self._on_finished is not None:
+            try:
+                self._on_finished(out)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("on_finished callback failed for %s", out.request_id)
+
+    def _die(self, exc: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = exc
+                if not self._shut_down:
+                    logger.error("%s", exc)
+            err = self._dead
             streams, self._streams = list(self._streams.values()), {}
-        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
-            f"the engine failed: {exc!r}; restart the server")
+            acks, self._acks = list(self._acks.values()), {}
         for s in streams:
             s.put(err)
-        while True:  # fail commands that will never run
+        for fut in acks:
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] in ("add", "call") and cmd[1].set_running_or_notify_cancel():
-                cmd[1].set_exception(err)
+                fut.set_exception(err)
+            except concurrent.futures.InvalidStateError:
+                pass
+
+    def _death_message(self) -> str:
+        if self._shut_down:
+            return "the engine was shut down"
+        return (
+            f"the engine core process (pid {self.proc.pid}) {_exit_description(self.proc.exitcode)}; "
+            "every open request failed; restart the server"
+        )
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
-            if isinstance(self._dead, EngineDeadError):
-                raise self._dead
-            raise EngineDeadError(f"the engine failed earlier: {self._dead!r}; restart the server")
+            raise self._dead
+
+    def _raise_if_taken(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
 
     def _next_id(self) -> str:
         with self._lock:
             self._ids += 1
             return f"async-{self._ids}"
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "stopped responding"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

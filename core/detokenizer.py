@@ -76,21 +76,30 @@ class IncrementalDetokenizer:
         self._advance(delta)
         return delta
 
-    def finish(self) -> str:
-        """Flush what is held back (an unresolved partial character is emitted as the
-        tokenizer decodes it, U+FFFD). After this, ``text`` equals the full decoding for
+    def finish(self, drop_partial: bool = False) -> str:
+        """Flush what is held back. After this, ``text`` equals the full decoding for
         every prefix-stable decoder (byte-level BPE, byte fallback, SentencePiece without
         ``clean_up_tokenization_spaces``); a decoder that rewrites text across token
         boundaries gets the windowed continuation instead, as streamed text cannot be
-        taken back."""
+        taken back.
+
+        :param drop_partial: a trailing character whose bytes never completed (a reply cut
+            at max_tokens mid-character) is dropped instead of emitted as U+FFFD; the text
+            then equals :func:`decode_complete` of the ids.
+        """
         if self._read_offset == len(self.token_ids):
             return ""
-        full = self._decode(self.token_ids)
+        ids = self.token_ids
+        if drop_partial:
+            ids = _complete_prefix(self._decode, ids, self._read_offset)
+        full = self._decode(ids)
         if full.startswith(self._text):
             delta = full[len(self._text) :]
         else:  # a decoder that rewrites across windows; continue the window's view
             prefix, window = self._decode_window()
             delta = window[len(prefix) :] if window.startswith(prefix) else ""
+            if drop_partial:
+                delta = delta.rstrip(_REPLACEMENT)
         self._advance(delta)
         return delta
 
@@ -117,6 +126,30 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+_MAX_CHAR_TOKENS = 4
+"""A UTF-8 character has at most 4 bytes, so at most 4 tokens can hold an unfinished one."""
+
+
+def _complete_prefix(decode, ids: Sequence[int], keep: int = 0) -> Sequence[int]:
+    """``ids`` without the trailing tokens (at most 4, never below ``keep``) that only make
+    up part of a character: the longest such prefix whose decoding does not end in U+FFFD."""
+    end = len(ids)
+    while end > keep and end > len(ids) - _MAX_CHAR_TOKENS and decode(ids[:end]).endswith(_REPLACEMENT):
+        end -= 1
+    if decode(ids[:end]).endswith(_REPLACEMENT):
+        return ids  # the replacement character is real text, not half a character
+    return ids[:end]
+
+
+def decode_complete(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """``tokenizer.decode(ids)`` without a trailing character whose bytes are incomplete."""
+
+    def decode(part: Sequence[int]) -> str:
+        return tokenizer.decode(list(part), skip_special_tokens=skip_special_tokens) if part else ""
+
+    return decode(_complete_prefix(decode, ids))
 
 
 class StopChecker:

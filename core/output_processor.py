@@ -1,36 +1,53 @@
-"""The ``update`` of a step: append sampled tokens, detokenize, decide who stops, and
-turn the result into :class:`~core.outputs.RequestOutput` objects."""
+"""The front end's output half: turn the engine core's token deltas into cumulative
+:class:`~core.outputs.RequestOutput` values: detokenize, match stop strings, keep logprobs
+and timings.
+
+It never touches the scheduler. A stop string found in a sample's text finishes the sample
+here at once; :meth:`OutputProcessor.process` returns those samples so the caller tells the
+engine core (:class:`~core.engine_core.types.RequestDelta` tokens that arrive for a finished
+sample afterwards are dropped).
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from core.detokenizer import IncrementalDetokenizer, StopChecker
-from core.model_runner import ModelRunnerOutput, SampledToken
+from core.detokenizer import IncrementalDetokenizer, StopChecker, decode_complete
+from core.engine_core.types import EngineRequest, RequestDelta, SampleDelta
 from core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from core.request import Request, Sequence, SequenceStatus
-from core.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass
-class _SeqState:
+class _Sample:
+    index: int
     detok: IncrementalDetokenizer | None
     stops: StopChecker | None
-    text: str = ""
     decode_at_end: bool = False
     """Final-only output without stop strings: decode once at the end, not per token."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
 class _ReqState:
-    request: Request
+    request: EngineRequest
+    prompt: str | None
+    samples: list[_Sample]
     prompt_logprobs: list[dict[int, Logprob] | None] | None
+    final_only: bool
+    """Emit only the finished output (offline use); skips per-step output building."""
     first_scheduled: float | None = None
     first_token: float | None = None
-    final_only: bool = False
-    """Emit only the finished output (offline use); skips per-step output building."""
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
 
 
 @dataclass
@@ -42,145 +59,146 @@ class StepCounters:
     finished_requests: int = 0
 
 
+@dataclass(frozen=True)
+class StopHit:
+    """A sample finished by a stop string: the engine core must stop it too."""
+
+    request_id: str
+    index: int
+
+
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
-        self.scheduler = scheduler
+    """Not thread-safe: the owner serializes calls.
+
+    :param tokenizer: a transformers tokenizer (``decode`` and friends), or None to skip text
+    """
+
+    def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.eos = eos_token_ids
-        self.max_model_len = max_model_len
         self._reqs: dict[str, _ReqState] = {}
-        self._seqs: dict[int, _SeqState] = {}
-        self._pending: list[RequestOutput] = []
         self.counters = StepCounters()
 
-    def add_request(self, request: Request, final_only: bool = False) -> None:
-        """Track a request. ``final_only``: its consumer wants just the finished output."""
-        plp = None
-        if request.params.prompt_logprobs is not None:
-            plp = [None] * len(request.prompt_token_ids)
-        self._reqs[request.request_id] = _ReqState(request, plp, final_only=final_only)
+    def add_request(self, request: EngineRequest, prompt: str | None, final_only: bool = False) -> None:
+        """Track a request before the engine core sees it (so no delta can be missed)."""
+        p = request.params
+        plp = [None] * len(request.prompt_token_ids) if p.prompt_logprobs is not None else None
+        samples = [self._new_sample(i, request, final_only) for i in range(p.n)]
+        self._reqs[request.request_id] = _ReqState(request, prompt, samples, plp, final_only)
         self.counters.prompt_tokens += len(request.prompt_token_ids)
 
-    def abort(self, request_id: str) -> None:
-        """Emit a final output for an aborted request at the next update."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request as aborted now; its final output (None if it is unknown)."""
         state = self._reqs.get(request_id)
+        if state is None:
+            return None
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        return self._finish_request(state)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request the engine core refused (it never ran: no output, no counts)."""
+        state = self._reqs.pop(request_id, None)
         if state is not None:
-            self._pending.append(self._finish_request(state))
+            self.counters.prompt_tokens -= len(state.request.prompt_token_ids)
 
-    # ---- the step ---------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
-        for rid in sched.aborted:  # the scheduler gave up: the request can never fit
-            state = self._reqs.get(rid)
-            if state is not None:
-                outputs.append(self._finish_request(state))
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    # ---- one step's deltas ---------------------------------------------------------------
+    def process(self, deltas: list[RequestDelta]) -> tuple[list[RequestOutput], list[StopHit]]:
+        """Outputs for the requests the deltas touched (only finished ones for final-only
+        requests), and the samples that stop strings finished."""
+        outputs: list[RequestOutput] = []
+        stops: list[StopHit] = []
         now = time.monotonic()
-        touched: dict[str, _ReqState] = {}
-        for s in sched.scheduled:
-            state = self._reqs.get(s.request_id)
-            if state is None:  # aborted between schedule and update
+        for d in deltas:
+            state = self._reqs.get(d.request_id)
+            if state is None:  # finished or aborted here already
                 continue
-            state.first_scheduled = state.first_scheduled or now
-            if s.seq_id in result.prompt_logprobs and state.prompt_logprobs is not None:
-                for k, lp in enumerate(result.prompt_logprobs[s.seq_id]):
-                    state.prompt_logprobs[s.start_pos + 1 + k] = lp
-            tok = result.sampled.get(s.seq_id)
-            if tok is not None:
-                seq = next(q for q in state.request.seqs if q.seq_id == s.seq_id)
-                self._append(seq, tok, state.final_only)
-                state.first_token = state.first_token or now
-                touched[s.request_id] = state
-        for state in touched.values():
-            if state.request.finished:
+            if d.first_scheduled:
+                state.first_scheduled = now
+            if d.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                first, entries = d.prompt_logprobs
+                state.prompt_logprobs[first : first + len(entries)] = entries
+            for sd in d.samples:
+                sample = state.samples[sd.index]
+                if sample.finish_reason is None:
+                    state.first_token = state.first_token or now
+                    if self._append(state, sample, sd):
+                        stops.append(StopHit(d.request_id, sd.index))
+            if d.abort_reason is not None:
+                for s in state.samples:
+                    s.finish_reason = s.finish_reason or "abort"
+            if state.finished:
                 outputs.append(self._finish_request(state))
-            elif not state.final_only:
+            elif not state.final_only and (d.samples or d.prompt_logprobs is not None):
                 outputs.append(self._output(state, finished=False))
-        return outputs
+        return outputs, stops
 
-    def _append(self, seq: Sequence, tok: SampledToken, final_only: bool) -> None:
-        st = self._seqs.get(seq.seq_id) or self._new_seq_state(seq, final_only)
-        seq.output_token_ids.append(tok.token_id)
-        seq.cumulative_logprob += tok.logprob
+    def _append(self, state: _ReqState, s: _Sample, sd: SampleDelta) -> bool:
+        """Add one token; True when a stop string finished the sample just now."""
+        p = state.request.params
+        s.token_ids.append(sd.token_id)
+        s.cumulative_logprob += sd.logprob
         self.counters.generation_tokens += 1
-        if tok.top_logprobs is not None:
-            st.logprobs.append(tok.top_logprobs)
-        text_before = st.text
-        delta = st.detok.add_tokens([tok.token_id]) if st.detok else ""
-        st.text += delta
-        status = self._stop_status(seq, st, tok.token_id, len(delta))
-        if status is None:
-            return
-        stopped_by_token = status is SequenceStatus.FINISHED_STOPPED and not isinstance(
-            seq.stop_reason, str
-        )
-        if stopped_by_token and not seq.params.include_stop_str_in_output:
-            # EOS / stop token ids end the text before the token's own text.
-            st.text = text_before
-        elif st.detok is not None and not isinstance(seq.stop_reason, str):
-            st.text += st.detok.finish()
-        if st.decode_at_end:
-            ids = seq.output_token_ids
-            if stopped_by_token and not seq.params.include_stop_str_in_output:
-                ids = ids[:-1]
-            st.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-        self.scheduler.finish_sequence(seq, status)
+        if sd.top_logprobs is not None:
+            s.logprobs.append(sd.top_logprobs)
+        text_before = s.text
+        delta = s.detok.add_tokens([sd.token_id]) if s.detok else ""
+        s.text += delta
+        # A stop string in the text wins over max_tokens (same as a character stream), but
+        # not over an EOS / stop token id, which ended the sample first in the engine.
+        if sd.finish_reason != "stop" and s.stops is not None and len(s.token_ids) >= p.min_tokens:
+            matched, keep = s.stops.check(s.text, len(delta))
+            if matched is not None:
+                s.text, s.finish_reason, s.stop_reason = s.text[:keep], "stop", matched
+                return sd.finish_reason is None  # still running in the engine core
+        if sd.finish_reason is None:
+            return False
+        s.finish_reason, s.stop_reason = sd.finish_reason, sd.stop_reason
+        # The engine stops only on tokens: an EOS / stop id ends the text before its own text.
+        drop_token = sd.finish_reason == "stop" and not p.include_stop_str_in_output
+        if drop_token:
+            s.text = text_before
+        elif s.detok is not None:
+            s.text += s.detok.finish(drop_partial=True)  # never end in half a character
+        if s.decode_at_end:
+            ids = s.token_ids[:-1] if drop_token else s.token_ids
+            s.text = decode_complete(self.tokenizer, ids, p.skip_special_tokens)
+        return False
 
-    def _stop_status(self, seq: Sequence, st: _SeqState, token: int, delta_len: int) -> SequenceStatus | None:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return SequenceStatus.FINISHED_STOPPED
-            if not p.ignore_eos and token in self.eos:
-                return SequenceStatus.FINISHED_STOPPED
-            if st.stops is not None:
-                matched, keep = st.stops.check(st.text, delta_len)
-                if matched is not None:
-                    st.text = st.text[:keep]
-                    seq.stop_reason = matched
-                    return SequenceStatus.FINISHED_STOPPED
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _new_seq_state(self, seq: Sequence, final_only: bool) -> _SeqState:
-        p = seq.params
-        detok = None
-        can_detok = p.detokenize and self.tokenizer is not None
-        if can_detok and final_only and not p.stop:
-            st = _SeqState(None, None, decode_at_end=True)
-            self._seqs[seq.seq_id] = st
-            return st
-        if can_detok:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
-            # A forked sibling inherits no outputs (it forks before its first token).
-            if seq.output_token_ids:
-                detok.add_tokens(seq.output_token_ids)
+    def _new_sample(self, index: int, request: EngineRequest, final_only: bool) -> _Sample:
+        p = request.params
+        if not p.detokenize or self.tokenizer is None:
+            return _Sample(index, None, None)
+        if final_only and not p.stop:
+            return _Sample(index, None, None, decode_at_end=True)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.skip_special_tokens)
         stops = StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None
-        st = _SeqState(detok, stops)
-        self._seqs[seq.seq_id] = st
-        return st
+        return _Sample(index, detok, stops)
 
-    # ---- outputs ----------------------------------------------------------------------
+    # ---- outputs -------------------------------------------------------------------------
     def _output(self, state: _ReqState, finished: bool) -> RequestOutput:
         req = state.request
         comps = []
-        for seq in sorted(req.seqs, key=lambda q: q.index):
-            st = self._seqs.get(seq.seq_id)
-            text = st.text if st else ""
-            if st and st.stops and not seq.status.finished:
+        for s in state.samples:
+            text = s.text
+            if s.stops and s.finish_reason is None:
                 # never show text that a stop string completed later would trim away
-                text = text[: st.stops.streamable_len(text)]
+                text = text[: s.stops.streamable_len(text)]
             comps.append(
                 CompletionOutput(
-                    index=seq.index,
+                    index=s.index,
                     text=text,
-                    token_ids=tuple(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=tuple(st.logprobs) if st and req.params.logprobs is not None else None,
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    token_ids=tuple(s.token_ids),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=tuple(s.logprobs) if req.params.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
                 )
             )
         metrics = RequestMetrics(
@@ -190,15 +208,10 @@ class OutputProcessor:
             finished_time=time.monotonic() if finished else None,
         )
         plp = tuple(state.prompt_logprobs) if state.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, tuple(comps), finished, plp, metrics)
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, tuple(comps), finished, plp, metrics)
 
     def _finish_request(self, state: _ReqState) -> RequestOutput:
         out = self._output(state, finished=True)
         self._reqs.pop(state.request.request_id, None)
-        for seq in state.request.seqs:
-            self._seqs.pop(seq.seq_id, None)
         self.counters.finished_requests += 1
         return out
-
-    def has_pending(self) -> bool:
-        return bool(self._pending)

@@ -43,7 +43,7 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class Sequence:
-    """One token stream. Mutated only by the scheduler and the engine's output update."""
+    """One token stream. Mutated only by the scheduler (``schedule`` and ``update``)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -118,6 +118,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     """True once an n > 1 request has split into its n sequences."""
+    started: bool = False
+    """True once an executed step computed some of its tokens (set by Scheduler.update)."""
 
     def __post_init__(self) -> None:
         if not self.seqs:

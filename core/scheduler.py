@@ -20,6 +20,13 @@ One step, in importance order (FCFS: arrival; priority: lower value, then arriva
 
 Because the order is total and fixed, a sequence is never preempted by a less important
 one, so preemption cannot ping-pong and the most important sequence always progresses.
+
+After the step ran, :meth:`Scheduler.update` owns the token-level half: it appends the
+sampled ids, applies EOS / stop token ids / min_tokens / max_tokens / max_model_len, frees
+finished sequences, registers computed blocks with the prefix cache and returns one
+:class:`~core.engine_core.types.RequestDelta` per request that changed. Text (stop strings,
+detokenization) belongs to the front end, which finishes a sample through
+:meth:`Scheduler.stop_sample`.
 """
 
 from __future__ import annotations
@@ -27,11 +34,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from core.block_manager import BlockManager, blocks_for
 from core.config import SchedulerConfig
+from core.engine_core.types import RequestDelta, SampleDelta
 from core.request import Request, Sequence, SequenceStatus
 from core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from core.model_runner import ModelRunnerOutput, SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +103,9 @@ class SchedulerOutput:
     preempted: tuple[int, ...] = ()
     """seq ids preempted this step (for stats/logs)."""
     aborted: tuple[str, ...] = ()
-    """Request ids the scheduler gave up on since the last step (they can never fit the
-    KV cache or the limits; an error was logged). Their sequences are FINISHED_ABORTED and
-    hold no blocks; the engine reports them finished with reason 'abort'."""
+    """Request ids the scheduler gave up on in this step (a lone sequence that can no
+    longer grow within the cache; an error was logged). Their sequences are
+    FINISHED_ABORTED and hold no blocks; ``update`` reports them with the reason."""
 
     @property
     def is_empty(self) -> bool:
@@ -127,6 +139,15 @@ class SchedulerStats:
 
 
 @dataclass
+class _Touched:
+    """What ``update`` collected for one request."""
+
+    first_scheduled: bool
+    samples: list[SampleDelta] = field(default_factory=list)
+    prompt_logprobs: tuple[int, tuple] | None = None
+
+
+@dataclass
 class _Step:
     """Scratch state of one ``schedule()`` call."""
 
@@ -156,7 +177,9 @@ class Scheduler:
     ``max_num_seqs``. Finished requests are forgotten.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset()
+    ):
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling policy {config.policy!r} is unknown; use 'fcfs' or 'priority'"
@@ -177,31 +200,33 @@ class Scheduler:
             raise ValueError(f"watermark_blocks must be >= 0, got {config.watermark_blocks}")
         self.config = config
         self.bm = block_manager
+        self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._next_order = 0
         self._waiting: dict[int, Sequence] = {}
         self._running: dict[int, Sequence] = {}
         self._swapped: dict[int, Sequence] = {}
-        self._aborted: list[str] = []
+        self._aborted: dict[str, str] = {}
+        """Request id -> why it was aborted during schedule(), until update() reports it."""
         self._num_preemptions = 0
 
     # ------------------------------------------------------------- public API
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. One that can never run is aborted at once (error logged,
-        reported in the next ``SchedulerOutput.aborted``)."""
+        """Queue a request.
+
+        :raises ValueError: the request can never run with this cache and these limits (the
+            message has the numbers and what to change), or its id is already in use.
+        """
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        reason = self._never_fits(request)
+        if reason is not None:
+            raise ValueError(reason)
         self._requests[request.request_id] = request
         self._order[request.request_id] = self._next_order
         self._next_order += 1
-        reason = self._never_fits(request)
-        if reason is not None:
-            logger.error("aborting request %s: %s", request.request_id, reason)
-            self._abort(request)
-            self._aborted.append(request.request_id)
-            return
         for seq in request.seqs:
             if not seq.status.finished:
                 seq.status = SequenceStatus.WAITING
@@ -215,20 +240,87 @@ class Scheduler:
         request = self._requests.get(request_id)
         return self._abort(request) if request is not None else []
 
-    def finish_sequence(self, seq: Sequence, status: SequenceStatus) -> None:
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """Finish sample ``index`` of a request as stopped (the front end matched a stop
+        string in its text); no-op when the request or sample already finished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:  # samples get tokens, and so stop strings, only once forked
+            if seq.index == index:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Mark a sequence finished (stop/length) and free its blocks; its computed full
         blocks stay in the prefix cache."""
-        if not status.finished:
-            raise ValueError(f"finish_sequence needs a finished status, got {status}")
         if seq.status.finished:
-            return  # e.g. aborted between the step's schedule and its update
+            return
         if seq.seq_id in self._running:
             self._offer_to_cache(seq)
         self._drop(seq)
         seq.status = status
         request = self._requests.get(seq.request_id)
-        if request is not None and all(s.status.finished for s in request.seqs):
+        if request is not None and request.finished:
             self._forget(request)
+
+    # --------------------------------------------------------------- update
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
+        """Apply an executed step: append each sampled token, finish the sequences that
+        reached a token-level stop, register computed blocks with the prefix cache.
+
+        :return: one delta per request that got tokens, prompt logprobs, its first
+            scheduled step, or an abort in this step.
+        """
+        deltas = [RequestDelta(rid, finished=True, abort_reason=self._aborted.pop(rid, "aborted"))
+                  for rid in sched.aborted]
+        touched: dict[str, _Touched] = {}
+        for s in sched.scheduled:
+            seq = self._running.get(s.seq_id)
+            if seq is None:  # aborted between schedule and update
+                continue
+            t = touched.get(s.request_id)
+            if t is None:
+                request = self._requests[s.request_id]
+                t = touched[s.request_id] = _Touched(first_scheduled=not request.started)
+                request.started = True
+            if s.seq_id in result.prompt_logprobs:
+                t.prompt_logprobs = (s.start_pos + 1, tuple(result.prompt_logprobs[s.seq_id]))
+            tok = result.sampled.get(s.seq_id)
+            if tok is not None:
+                t.samples.append(self._append(seq, tok))
+            elif seq.status is SequenceStatus.RUNNING:
+                self._offer_to_cache(seq)
+        for rid, t in touched.items():
+            if t.samples or t.prompt_logprobs is not None or t.first_scheduled:
+                deltas.append(RequestDelta(rid, tuple(t.samples), rid not in self._requests,
+                                           t.first_scheduled, t.prompt_logprobs))
+        return deltas
+
+    def _append(self, seq: Sequence, tok: SampledToken) -> SampleDelta:
+        seq.output_token_ids.append(tok.token_id)
+        seq.cumulative_logprob += tok.logprob
+        status, stop_id = self._stop_status(seq, tok.token_id)
+        if status is None:
+            self._offer_to_cache(seq)
+        else:
+            seq.stop_reason = stop_id
+            self._finish(seq, status)
+        return SampleDelta(seq.index, tok.token_id, tok.logprob, tok.top_logprobs,
+                           status.finish_reason if status else None, stop_id)
+
+    def _stop_status(self, seq: Sequence, token: int) -> tuple[SequenceStatus | None, int | None]:
+        """The token-level stop the sequence reached with ``token``, and the stop token id."""
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or an abort is still to be reported."""
@@ -251,9 +343,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step and advance ``num_computed_tokens`` of every scheduled sequence
-        (the engine must run the step before calling ``schedule`` again)."""
-        for seq in self._running.values():
-            self._offer_to_cache(seq)
+        (the engine must run the step and ``update`` before calling ``schedule`` again)."""
         step = _Step(
             budget=self.config.max_num_batched_tokens,
             pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1},
@@ -513,7 +603,7 @@ class Scheduler:
     def _output(self, step: _Step) -> SchedulerOutput:
         prefills = [e for e in step.entries if e.is_prefill]
         decodes = [e for e in step.entries if not e.is_prefill]
-        aborted, self._aborted = tuple(self._aborted), []
+        aborted = tuple(self._aborted)
         return SchedulerOutput(
             scheduled=tuple(prefills + decodes),
             num_prefills=len(prefills),
@@ -551,7 +641,7 @@ class Scheduler:
     def _abort_in_step(self, seq: Sequence, reason: str) -> None:
         logger.error("aborting request %s (sequence %d): %s", seq.request_id, seq.seq_id, reason)
         self._abort(self._requests[seq.request_id])
-        self._aborted.append(seq.request_id)
+        self._aborted[seq.request_id] = f"the request can no longer fit the KV cache: {reason}"
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)

@@ -2,8 +2,8 @@
 
     python -m core.benchmarks.scheduler [--seqs 256] [--prompt-len 1000] [--output-len 400]
 
-No model runs: after each step every sampled sequence gets a random token appended (what the
-engine's output update does), and finishes at ``--output-len`` tokens. Prefix caching is on
+No model runs: after each step every sampled sequence gets a random token through
+``Scheduler.update`` (as after a real step), and finishes at ``--output-len`` tokens. Prefix caching is on
 (the engine default). Prints the median and p90 time of one ``schedule()`` call over the
 steps after the first 20 (the prefills).
 """
@@ -16,7 +16,8 @@ import time
 
 from core.block_manager import BlockManager
 from core.config import SchedulerConfig
-from core.request import Request, SequenceStatus
+from core.model_runner import ModelRunnerOutput, SampledToken
+from core.request import Request
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler
 
@@ -46,14 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         out = scheduler.schedule()
         times.append(time.perf_counter() - t0)
-        for entry in out.scheduled:
-            if not entry.sample:
-                continue
-            request = scheduler.get_request(entry.request_id)
-            seq = next(q for q in request.seqs if q.seq_id == entry.seq_id)
-            seq.output_token_ids.append(rng.randrange(32000))
-            if len(seq.output_token_ids) >= args.output_len:
-                scheduler.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
+        sampled = {e.seq_id: SampledToken(rng.randrange(32000), 0.0, None) for e in out.scheduled if e.sample}
+        scheduler.update(out, ModelRunnerOutput(sampled, {}))
     steady = sorted(times[20:])
     print(
         f"{args.seqs} sequences, prompts of {args.prompt_len}: schedule() median "

@@ -99,7 +99,10 @@ def _generate(engine, prompts, params, step_timing: bool) -> tuple[list, dict | 
             t1 = time.perf_counter()
             result = engine.executor.execute(sched)
             t2 = time.perf_counter()
-            for out in engine.output_processor.update(sched, result):
+            outs, stops = engine.output_processor.process(engine.scheduler.update(sched, result))
+            for hit in stops:
+                engine.core.stop_sample(hit.request_id, hit.index)
+            for out in outs:
                 if out.finished:
                     done[out.request_id] = out
             t3 = time.perf_counter()

@@ -92,21 +92,13 @@ class LLM:
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.engine.add_request(None, p, sp, final_only=True))
-        except BaseException:
+        except BaseException:  # all or nothing: a refused prompt leaves none of the batch queued
             # A dead engine cannot take them back; its own error (raised below) says why.
             with contextlib.suppress(Exception):
                 for rid in ids:
-                    self.engine.abort_request(rid)
-                self._drain(ids)
+                    self.engine.abort_request(rid, report=False)
             raise
         return self._run(ids, use_tqdm)
-
-    def _drain(self, ids: list[str]) -> None:
-        """Step until the aborted ``ids`` have delivered their final outputs (and freed
-        their blocks), so the next call does not receive them."""
-        pending = set(ids)
-        while pending and self.engine.has_unfinished_requests():
-            pending -= {out.request_id for out in self.engine.step() if out.finished}
 
     def chat(
         self,

@@ -79,7 +79,7 @@ def test_shared_system_prompt_hits_the_prefix_cache_as_computed(model):
 
 def test_oversubscribed_cache_is_named_at_start(model, caplog):
     # DEBUG: a one-prompt run with the defaults is "oversubscribed" too (issue 17)
-    with caplog.at_level("DEBUG", logger="core.engine"):
+    with caplog.at_level("DEBUG", logger="core.engine_core"):
         _llm(model, num_blocks_override=21, max_num_seqs=64)
     # 128 tokens = 8 blocks per full-length sequence; 20 usable blocks hold 2 of them
     assert "max_num_seqs 64 x max_model_len 128 would need 512 KV blocks; the cache holds 20 (2 sequences" in caplog.text

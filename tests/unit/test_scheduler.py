@@ -20,6 +20,8 @@ import pytest
 
 from core.block_manager import NULL_BLOCK, BlockManager, blocks_for
 from core.config import SchedulerConfig
+from core.engine_core.types import RequestDelta, SampleDelta
+from core.model_runner import ModelRunnerOutput, SampledToken
 from core.request import Request, Sequence, SequenceStatus
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler, SchedulerOutput
@@ -55,6 +57,7 @@ class FakeEngine:
         self.stops: dict[str, bool] = {}
         self.aborted: set[str] = set()
         self.history: list[SchedulerOutput] = []
+        self.deltas: list[RequestDelta] = []
         self.generated: dict[int, int] = {}
         self.swap_in_first = False  # copies and swap-ins may run in either order
 
@@ -70,15 +73,17 @@ class FakeEngine:
         stops: bool = False,
         **params,
     ) -> Request:
+        if stops:  # the fake model's "stop tokens": sampled ids divisible by STOP_MOD
+            params["stop_token_ids"] = tuple(range(0, VOCAB, STOP_MOD))
         sp = SamplingParams(max_tokens=max_tokens, n=n, **params)
         req = Request(rid, tuple(prompt), sp, priority=priority)
         if arrival is not None:
             req.arrival_time = arrival
             for s in req.seqs:
                 s.arrival_time = arrival
+        self.sched.add_request(req)  # raises for a request that can never fit
         self.requests[rid] = req
         self.stops[rid] = stops
-        self.sched.add_request(req)
         return req
 
     def seq(self, seq_id: int) -> Sequence:
@@ -107,16 +112,9 @@ class FakeEngine:
             for i, tok in enumerate(e.token_ids):
                 pos = e.start_pos + i
                 self.kv[e.block_table[pos // BS]][pos % BS] = tok
-        for seq, tok in sampled:  # the engine's update, after the forward pass
-            seq.output_token_ids.append(tok)
-            req = self.requests[seq.request_id]
-            if (
-                len(seq.output_token_ids) >= req.params.max_tokens
-                or seq.num_tokens >= self.cfg.max_model_len
-            ):
-                self.sched.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
-            elif self.stops[seq.request_id] and tok % STOP_MOD == 0:
-                self.sched.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED)
+        # The scheduler's own update, after the forward pass, as in the engine.
+        runner_out = ModelRunnerOutput({seq.seq_id: SampledToken(tok, 0.0, None) for seq, tok in sampled}, {})
+        self.deltas += self.sched.update(out, runner_out)
         self.bm.check_invariants()
         for r in self.requests.values():  # generated tokens are never taken back
             for q in r.seqs:
@@ -237,10 +235,10 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room():
     assert shape(eng.step()) == [(a, 3, 1, True)]
     eng.run()
     assert [sh for out in eng.history for sh in shape(out) if sh[0] == b][0] == (b, 0, 10, True)
-    # A prompt longer than a whole step can never run without chunking.
-    eng.add("c", prompt(11), max_tokens=1)
-    assert eng.step().aborted == ("c",)
-    assert eng.requests["c"].seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    # A prompt longer than a whole step can never run without chunking: refused at once.
+    with pytest.raises(ValueError, match=r"11 tokens, more than max_num_batched_tokens \(10\).*enable it"):
+        eng.add("c", prompt(11), max_tokens=1)
+    assert not eng.sched.has_unfinished_requests()
     eng.assert_all_free()
 
 
@@ -559,18 +557,22 @@ def test_abort_of_a_forked_request_aborts_every_sample():
     eng.assert_all_free()
 
 
-def test_requests_that_can_never_fit_are_aborted_not_looped():
+def test_requests_that_can_never_fit_are_refused_at_admission():
     eng = FakeEngine(num_blocks=6, max_num_seqs=2, max_model_len=64)  # 5 usable = 20 tokens
-    eng.add("big", prompt(10), max_tokens=20)  # 30 tokens = 8 blocks > 5
-    eng.add("wide", prompt(3), max_tokens=1, n=3)  # n > max_num_seqs
+    with pytest.raises(ValueError, match="up to 30 tokens need 8 KV blocks of 4 tokens but the cache has 5"):
+        eng.add("big", prompt(10), max_tokens=20)  # 30 tokens = 8 blocks > 5
+    with pytest.raises(ValueError, match="n=3 samples but max_num_seqs is 2"):
+        eng.add("wide", prompt(3), max_tokens=1, n=3)
+    # n=2 of a 3-token prompt (no full block to share): up to 8 tokens need 2 x 2 = 4 blocks
+    # and fit; up to 15 tokens need 2 x 4 = 8.
+    with pytest.raises(ValueError, match="2 sample\\(s\\) of up to 15 tokens need 8 KV blocks"):
+        eng.add("n2", prompt(3), max_tokens=12, n=2)
+    eng.add("fits", prompt(3), max_tokens=5, n=2)
     eng.add("ok", prompt(3), max_tokens=2)
-    assert eng.sched.has_unfinished_requests()
-    out = eng.step()
-    assert set(out.aborted) == {"big", "wide"}
-    for rid in ("big", "wide"):
-        assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in eng.requests[rid].seqs)
+    assert not eng.sched.has_unfinished_requests() or eng.sched.get_request("big") is None
     eng.run()
-    assert eng.outputs("ok") == eng.expected("ok")
+    assert eng.outputs("ok") == eng.expected("ok") and eng.outputs("fits") == eng.expected("fits")
+    assert not any(out.aborted for out in eng.history)
     eng.assert_all_free()
 
 
@@ -676,3 +678,96 @@ def test_random_workloads_finish_with_reference_outputs_and_free_blocks(
         else:
             assert got == want, rid
     eng.assert_all_free()
+
+
+# ---- update: the token-level half of a step ------------------------------------------------
+EOS = 2
+
+
+def _sched(num_blocks: int = 32, **cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", 64)
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, BS, True, 0), frozenset({EOS}))
+
+
+def _step_with(sched: Scheduler, tokens: dict[str, int | list[int]]) -> list[RequestDelta]:
+    """Run schedule(), 'sample' the given token for each request (a list: per sample index)
+    and return update()'s deltas."""
+    out = sched.schedule()
+    sampled = {}
+    for e in out.scheduled:
+        if e.sample:
+            t = tokens[e.request_id]
+            seq = next(q for q in sched.get_request(e.request_id).seqs if q.seq_id == e.seq_id)
+            sampled[e.seq_id] = SampledToken(t[seq.index] if isinstance(t, list) else t, -0.5, None)
+    return sched.update(out, ModelRunnerOutput(sampled, {}))
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "reason", "stop_reason", "n_out"),
+    [
+        (dict(max_tokens=10), [5, 6, EOS, 7], "stop", None, 3),
+        (dict(max_tokens=10, ignore_eos=True), [5, EOS, 6], "length", None, 10),
+        (dict(max_tokens=10, stop_token_ids=(6,)), [5, 6, 7], "stop", 6, 2),
+        (dict(max_tokens=10, min_tokens=3, stop_token_ids=(6,)), [EOS, 6, 6, 6], "stop", 6, 3),
+        (dict(max_tokens=3), [5], "length", None, 3),
+        (dict(max_tokens=None), [5], "length", None, 64 - 5),  # max_model_len
+    ],
+)
+def test_update_applies_the_token_level_stops(params, tokens, reason, stop_reason, n_out):
+    sched = _sched()
+    sched.add_request(Request("r", tuple(prompt(5)), SamplingParams(**params)))
+    got: list[SampleDelta] = []
+    steps = 0
+    while sched.has_unfinished_requests():
+        tok = tokens[min(steps, len(tokens) - 1)]
+        deltas = _step_with(sched, {"r": tok})
+        steps += 1
+        assert len(deltas) == 1 and deltas[0].request_id == "r"
+        assert deltas[0].first_scheduled == (steps == 1)
+        got += deltas[0].samples
+    assert len(got) == n_out and all(d.logprob == -0.5 for d in got)
+    assert [d.finish_reason for d in got] == [None] * (n_out - 1) + [reason]
+    assert got[-1].stop_reason == stop_reason and deltas[0].finished
+    assert sched.get_request("r") is None and sched.bm.num_free_blocks == sched.bm.num_usable_blocks
+
+
+def test_stop_sample_finishes_one_sample_and_the_rest_run_on():
+    sched = _sched()
+    sched.add_request(Request("r", tuple(prompt(6)), SamplingParams(n=3, max_tokens=4)))
+    deltas = _step_with(sched, {"r": [10, 11, 12]})  # the prompt but its last token
+    assert deltas[0].samples == () and deltas[0].first_scheduled
+    deltas = _step_with(sched, {"r": [10, 11, 12]})  # forked: each sample's first token
+    assert sorted(d.index for d in deltas[0].samples) == [0, 1, 2] and not deltas[0].first_scheduled
+    sched.stop_sample("r", 1)  # the front end matched a stop string in sample 1
+    sched.stop_sample("r", 1)  # idempotent
+    seen = []
+    while sched.has_unfinished_requests():
+        seen += [d.index for d in _step_with(sched, {"r": [10, 11, 12]})[0].samples]
+    assert sorted(seen) == [0, 0, 0, 2, 2, 2]
+    assert sched.get_request("r") is None  # forgotten, nothing held
+    assert sched.bm.num_free_blocks == sched.bm.num_usable_blocks
+    sched.stop_sample("r", 0)  # unknown now: ignored
+
+
+def test_update_registers_computed_blocks_with_the_prefix_cache():
+    sched = _sched()
+    shared = tuple(prompt(9))  # two full blocks of 4, then one token
+    sched.add_request(Request("a", shared, SamplingParams(max_tokens=8)))
+    _step_with(sched, {"a": 5})  # the prompt's KV is written by this executed step
+    assert sched.bm.match_prefix(shared) == 8  # both full blocks are reusable now
+    sched.add_request(Request("b", shared, SamplingParams(max_tokens=1)))
+    deltas = _step_with(sched, {"a": 5, "b": 6})
+    assert {d.request_id for d in deltas} == {"a", "b"}
+    assert sched.stats().prefix_cache_hits >= 8
+
+
+def test_a_step_aborted_request_comes_back_as_a_delta_with_the_reason():
+    sched = _sched(num_blocks=6)  # 5 usable
+    sched.bm.allocate(-1, prompt(12), 12)  # 3 blocks held outside the scheduler
+    sched.add_request(Request("r", tuple(prompt(7)), SamplingParams(max_tokens=5)))
+    _step_with(sched, {"r": 5})  # prompt 0..6: 2 blocks, the cache is now full
+    _step_with(sched, {"r": 5})  # position 7 still fits the second block
+    deltas = _step_with(sched, {"r": 5})  # position 8 needs a block that can never come
+    assert [(d.request_id, d.finished) for d in deltas] == [("r", True)]
+    assert "can no longer fit the KV cache" in deltas[0].abort_reason
+    assert not sched.has_unfinished_requests()

@@ -3,10 +3,14 @@
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions,
 POST /v1/chat/completions, GET /health, GET /metrics, GET /version, GET /openapi.json.
 
+The engine core runs in its own process (:class:`~core.async_engine.AsyncLLMEngine`); this
+process tokenizes, detokenizes, and speaks HTTP. If the engine core dies, open requests fail
+at once and ``/health`` answers 503.
+
 Shutdown: on SIGTERM uvicorn stops accepting connections, in-flight requests get
 ``--shutdown-grace-period`` seconds to finish (then each open stream gets a final error
 event and ``[DONE]``, each other request a 503, and their engine requests are aborted: see
-``shutdown.py``), the engine thread stops, and the process exits 0.
+``shutdown.py``), the engine-core process stops, and the process exits 0.
 
 Guards (``middleware.py``, ``connection.py``): Host header check, request-body size and
 time limits, the API key, and a deadline for request heads on every connection.
@@ -27,8 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from core.async_engine import AsyncLLMEngine, EngineDeadError
-from core.engine import LLMEngine
+from core.async_engine import AsyncLLMEngine, EngineDeadError, EngineStartupError
 from core.engine_args import EngineArgs
 from core.entrypoints.openai.args import ServerArgs
 from core.entrypoints.openai.chat import create_chat_completion
@@ -136,7 +139,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> Fas
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         logger.info("serving %r on http://%s:%d (OpenAI API under /v1)", ctx.model_name, args.host, args.port)
         stats = None
-        if not engine.engine.config.disable_log_stats:
+        if not engine.info.disable_log_stats:
             stats = asyncio.ensure_future(_log_stats(engine, STATS_INTERVAL_S))
         yield
         if stats is not None:
@@ -233,11 +236,23 @@ async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
 def run_server(ns: argparse.Namespace) -> int:
     """``core serve``: load the engine, serve until SIGTERM/SIGINT, return the exit code."""
     args = ServerArgs.from_cli_args(ns)
-    engine = LLMEngine.from_args(EngineArgs.from_cli_args(ns))
-    name = served_name(args, engine.config.model.model)
-    # The snapshot getter is called only on scrapes, after async_engine exists.
+    metrics: Metrics | None = None
+
+    def on_finished(out) -> None:  # metrics exists once the engine is up and named
+        if metrics is not None:
+            metrics.on_finished(out)
+
+    # A SIGTERM while the model loads must stop the engine-core child too, not orphan it.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        async_engine = AsyncLLMEngine(EngineArgs.from_cli_args(ns), on_finished=on_finished)
+    except EngineStartupError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    name = served_name(args, async_engine.info.model)
     metrics = Metrics(name, lambda: async_engine.snapshot)
-    async_engine = AsyncLLMEngine(engine, on_finished=metrics.on_finished)
     app = build_app(async_engine, args, metrics)
     config = uvicorn.Config(
         app,
@@ -260,8 +275,7 @@ def run_server(ns: argparse.Namespace) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if not async_engine.is_dead:
-            async_engine.shutdown(30.0)
+        async_engine.shutdown(30.0)  # idempotent; also after the engine core died
     if not server.started:
         logger.error("the server did not start (is port %d on %s free?)", args.port, args.host)
         return 1
@@ -281,6 +295,10 @@ class _Server(uvicorn.Server):
             self._grace.begin(asyncio.get_running_loop())
         except RuntimeError:  # no loop yet (a signal during start-up): nothing is open
             pass
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _log_terminated(signum: int, frame) -> None:

@@ -52,11 +52,11 @@ class ServerContext:
     ):
         self.engine = engine
         self.model_name = model_name
-        cfg = engine.engine.config
-        self.model_root = cfg.model.model
-        self.max_model_len = cfg.model.max_model_len
-        self.max_num_seqs = cfg.scheduler.max_num_seqs
-        self.vocab_size = engine.engine.vocab_size
+        info = engine.info
+        self.model_root = info.model
+        self.max_model_len = info.max_model_len
+        self.max_num_seqs = info.max_num_seqs
+        self.vocab_size = info.vocab_size
         self.chat_template = chat_template
         self.log_requests = log_requests
         self.log_prompts = log_prompts
@@ -193,7 +193,7 @@ class ServerContext:
             raise engine_error(e) from e
 
     async def token_texts(self) -> list[str]:
-        """Text of every token id (for logprobs), decoded once on the engine thread."""
+        """Text of every token id (for logprobs), decoded once on the tokenizer thread."""
         async with self._token_texts_lock:
             if self._token_texts is None:
                 self._token_texts = await self.call_engine(_decode_vocab)

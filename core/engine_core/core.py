@@ -1,0 +1,171 @@
+"""EngineCore: the engine loop. ``step()`` is schedule -> execute -> update, nothing else.
+
+It takes tokenized requests and returns per-request token deltas
+(:mod:`core.engine_core.types`); it holds no tokenizer state beyond the EOS ids and never
+makes text. Not thread-safe: one thread drives it (the offline ``LLMEngine``, or the
+engine-core process's loop).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from core import envs
+from core.block_manager import BlockManager
+from core.config import EngineConfig
+from core.engine_args import EngineArgs
+from core.engine_core.resolve import resolve_config
+from core.engine_core.types import EngineInfo, EngineRequest, RequestDelta
+from core.executor import Executor, UniExecutor
+from core.model_runner import RunnerSetup
+from core.models import ModelRegistry
+from core.ops import Ops
+from core.platform import Platform
+from core.plugins import Plugins, load_plugins
+from core.request import Request
+from core.scheduler import Scheduler, SchedulerStats
+from core.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``); retry later."""
+
+
+def vocab_size_of(config: EngineConfig, tokenizer) -> int:
+    return int(getattr(config.model.hf_config, "vocab_size", 0) or len(tokenizer))
+
+
+class EngineCore:
+    """Owns the executor (model, KV cache), the block manager and the scheduler."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, plugins: Plugins, eos_ids: frozenset[int],
+                 vocab_size: int):
+        self.config = config
+        self.platform = platform
+        self.vocab_size = vocab_size
+        platform.seed_everything(config.model.seed)
+        self.executor = self._make_executor(plugins, eos_ids)
+        self.kv_plan = self.executor.initialize()
+        self._warn_if_oversubscribed()
+        c = config.cache
+        self.block_manager = BlockManager(
+            self.kv_plan.num_blocks, c.block_size, c.enable_prefix_caching, self.kv_plan.num_host_blocks,
+            sliding_window=self.kv_plan.sliding_window,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, plugins: Plugins | None = None) -> EngineCore:
+        config, platform, plugins = load_platform_and_config(args, plugins)
+        tokenizer = load_tokenizer(config.model.tokenizer, config.model.gguf_file, config.model.cache_dir)
+        eos = eos_token_ids(tokenizer, config.model.hf_config)
+        return cls(config, platform, plugins, eos, vocab_size_of(config, tokenizer))
+
+    def _make_executor(self, plugins: Plugins, eos_ids: frozenset[int]) -> Executor:
+        extra = plugins.attention_backends(self.platform.name)
+        requested = self.config.attention_backend
+        setup = RunnerSetup(
+            config=self.config,
+            platform=self.platform,
+            ops=Ops({**self.platform.ops(), **plugins.op_overrides(self.platform.name, self.config)}),
+            registry=ModelRegistry(plugins.model_architectures()),
+            attention_backend_cls=extra.get(requested) if requested else None,
+        )
+        tp = self.config.parallel.tensor_parallel_size
+        if tp == 1 and self.config.parallel.executor in ("auto", "uni"):
+            return UniExecutor(setup, eos_ids)
+        from core.distributed_executor import make_distributed_executor
+
+        return make_distributed_executor(setup, eos_ids)
+
+    def _warn_if_oversubscribed(self) -> None:
+        """max_num_seqs x max_model_len may exceed the cache: legal and common (most sequences
+        are short, and a one-prompt run never comes near it), so DEBUG, with the numbers for
+        whoever investigates preemptions under load."""
+        plan, want = self.kv_plan, self.config.scheduler.max_num_seqs
+        if plan.max_concurrent_at_max_len < want:
+            logger.debug(
+                "max_num_seqs %d x max_model_len %d would need %d KV blocks; the cache holds %d "
+                "(%d sequences at full length). Longer sequences will wait or be preempted; to run "
+                "all at full length raise --kv-cache-memory (or --gpu-memory-utilization) or lower "
+                "--max-num-seqs / --max-model-len",
+                want, plan.max_model_len, want * plan.blocks_per_max_len_seq,
+                plan.num_blocks - 1, plan.max_concurrent_at_max_len,
+            )
+
+    def info(self, pid: int) -> EngineInfo:
+        m, s = self.config.model, self.config.scheduler
+        return EngineInfo(
+            model=m.model, tokenizer=m.tokenizer, gguf_file=m.gguf_file, cache_dir=m.cache_dir,
+            architecture=m.architecture, max_model_len=m.max_model_len, max_num_seqs=s.max_num_seqs,
+            vocab_size=self.vocab_size, num_blocks=self.block_manager.num_usable_blocks,
+            block_size=self.block_manager.block_size, disable_log_stats=self.config.disable_log_stats, pid=pid,
+        )
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a tokenized, validated request.
+
+        :raises EngineOverloaded: ``max_waiting_requests`` requests are already waiting.
+        :raises ValueError: the request can never fit this cache or these limits, or its id
+            is in use.
+        """
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and self.scheduler.stats().num_waiting >= limit:
+            raise EngineOverloaded(
+                f"{limit} requests are already waiting (--max-waiting-requests {limit}); retry later"
+            )
+        if self.scheduler.get_request(req.request_id) is not None:
+            raise ValueError(f"request id {req.request_id!r} is already in use; ids must be unique")
+        request = Request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
+                          arrival_time=req.arrival_time)
+        for s in request.seqs:
+            s.arrival_time = req.arrival_time
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their blocks (unknown or finished ids are ignored)."""
+        for rid in request_ids:
+            self.scheduler.abort_request(rid)
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """Finish one sample that the front end stopped (a stop string in its text)."""
+        self.scheduler.stop_sample(request_id, index)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        sched = self.scheduler.schedule()
+        result = self.executor.execute(sched)
+        return self.scheduler.update(sched, result)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if a worker of the executor has died."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def load_platform_and_config(args: EngineArgs, plugins: Plugins | None = None) -> tuple[EngineConfig, Platform, Plugins]:
+    """Load plugins, pick and build the platform, resolve the config (reads the environment)."""
+    env = envs.read()
+    plugins = plugins or load_plugins(env.no_plugin_autoload, env.plugins)
+    info = plugins.select(args.platform or env.platform)
+    platform = info.cls()
+    if env.num_threads and platform.device_type == "cpu":
+        torch.set_num_threads(env.num_threads)
+    plugins.register_model_configs()  # before the checkpoint's config.json is read
+    config = resolve_config(args, platform, env.cache_dir)
+    logger.info("platform %s (%s); model %s (%s, %s)", platform.name, info.probe.reason,
+                config.model.model, config.model.architecture, config.model.dtype)
+    return config, platform, plugins
