@@ -31,11 +31,14 @@ run: setup
 	$(BIN)/core generate "$(PROMPT)"
 
 # Compilers for the kernel compile checks: nvcc must already be on the machine (CUDA toolkit);
-# hipcc comes from Debian (ROCm 5.2) when we may install packages (root with apt).
+# hipcc (Debian's ROCm 5.2), the aarch64 cross compiler and qemu-user (the NEON path, compiled
+# and run under emulation) come from Debian when we may install packages (root with apt).
+SYSDEPS := hipcc:hipcc aarch64-linux-gnu-g++:g++-aarch64-linux-gnu qemu-aarch64:qemu-user
 sysdeps:
-	@if ! command -v hipcc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	  echo "installing hipcc (Debian ROCm 5.2) for the HIP compile check"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends hipcc >/dev/null; \
+	@missing=""; for d in $(SYSDEPS); do command -v "$${d%%:*}" >/dev/null 2>&1 || missing="$$missing $${d#*:}"; done; \
+	if [ -n "$$missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing$$missing (Debian) for the HIP and Arm compile checks"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
 lint: setup
