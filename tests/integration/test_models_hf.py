@@ -43,6 +43,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**TINY_LLAMA, "pad_token_id": 0}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {**TINY_LLAMA, "pad_token_id": 0}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", TINY_LLAMA),
     "gemma2": (
         "Gemma2Config", "Gemma2ForCausalLM",
         {**TINY_LLAMA, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6,
@@ -92,6 +93,12 @@ CASES: dict[str, tuple[str, dict]] = {
                 "short_factor": [1.0, 1.3, 1.9, 2.2], "long_factor": [3.0, 5.0, 7.0, 9.0],
             },
         ),
+    ),
+    # Qwen2.5's long-context setting: YaRN with its attention factor folded into cos/sin
+    "qwen2-yarn": (
+        "qwen2",
+        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 32}),
     ),
     # soft caps low enough to bite on these logits; layers alternate window 6 / full
     "gemma2-capped": ("gemma2", {}),
