@@ -176,7 +176,9 @@ class AsyncLLMEngine:
         try:
             self.info: EngineInfo = self._wait_ready(startup_timeout)
         except BaseException:
-            self._stop_process(timeout=5.0)
+            # Interrupted or failed start-up: SIGTERM at once (the core unwinds, e.g. a kernel
+            # build removes its lock), SIGKILL only if that does not end it.
+            self._stop_process(timeout=0.0, term_grace=30.0)
             self._close_sockets()
             raise
         logger.info("engine core running in process %d", self.proc.pid)
@@ -236,13 +238,13 @@ class AsyncLLMEngine:
                     "check the log above, or give it longer"
                 )
 
-    def _stop_process(self, timeout: float) -> None:
+    def _stop_process(self, timeout: float, term_grace: float = 5.0) -> None:
         self.proc.join(timeout)
-        for stop in (self.proc.terminate, self.proc.kill):
+        for stop, wait in ((self.proc.terminate, term_grace), (self.proc.kill, 5.0)):
             if not self.proc.is_alive():
                 break
             stop()
-            self.proc.join(5.0)
+            self.proc.join(wait)
 
     def _close_sockets(self) -> None:
         with self._send_lock:

@@ -29,6 +29,7 @@ import zmq
 from core.engine_args import EngineArgs
 from core.engine_core.core import EngineCore, EngineOverloaded
 from core.engine_core.types import EngineInfo, EngineRequest, RequestDelta
+from core.entrypoints.signals import exit_on_sigterm
 from core.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,12 @@ def run_engine_core(
     make_core: Callable[[EngineArgs], EngineCore] = build_engine_core,
 ) -> None:
     """The engine-core process's main function (the target of a spawned Process)."""
+    # SIGINT (a terminal's Ctrl-C reaches the whole process group) is the front end's to
+    # handle. SIGTERM during start-up unwinds cleanly (a kernel build in progress removes its
+    # lock and stops its compilers); once serving, the front end owns shutdown and its grace
+    # period, so the core then ignores SIGTERM and stops when told to.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_on_sigterm()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
@@ -143,6 +148,7 @@ def run_engine_core(
             out.send(enc.encode(StartupFailed(_describe(e))))
             code = 1
             return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         out.send(enc.encode(Ready(core.info(os.getpid()))))
         started.set()  # from here the loop itself notices a vanished parent
         code = _Loop(core, commands, out, parent_pid).run()
