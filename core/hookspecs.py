@@ -11,6 +11,16 @@ Hooks are grouped by when they are called:
 * discovery (once, when the plugin manager loads): ``core_platforms``,
   ``core_model_architectures``, ``core_model_configs``, ``core_attention_backends``;
 * engine construction (once per engine, after a platform is chosen): ``core_op_overrides``.
+
+How core calls them (one deviation from a plain pluggy hook call): every hook is a
+"collect all" hook, and core needs to know which plugin returned what, to name both plugins
+when two claim one platform, op or architecture. So :class:`core.plugins.Plugins` calls
+each implementation that pluggy validated at registration itself, oldest plugin first,
+rather than through ``pm.hook.<name>(...)``. For an author this changes two things only:
+an implementation that returns ``None`` contributes nothing (as in pluggy), and a
+parameter with a default value *is* passed the hook argument of that name (pluggy would
+leave it at its default). pluggy's ``hookwrapper``/``wrapper`` and ``tryfirst``/
+``trylast`` options have no effect on these hooks.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ asks "is this CUDA?": it reads capability flags and calls these methods.
 from __future__ import annotations
 
 import dataclasses
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -28,19 +29,58 @@ class ProbeResult:
     score: int
     reason: str
     """Why: the device found, or what is missing (shown by ``core platforms``)."""
+    emulated: bool = False
+    """The platform would run its ops on the host CPU (an emulation, or an accelerator's
+    software installed on a host without the accelerator). Such a platform is usable only
+    when asked for by name (``--platform NAME``): automatic selection never picks it, so
+    installing an extra never changes what a plain ``core generate`` runs on."""
 
 
 class Capability:
-    """Capability flags a platform may declare in :attr:`Platform.capabilities`."""
+    """Capability flags a platform may declare in :attr:`Platform.capabilities`. Core reads
+    each one (where is named below); a flag nothing reads does not belong here."""
 
     GRAPH_CAPTURE = "graph_capture"
-    """Decode batches can be captured and replayed (CUDA graphs, HPU graphs, XLA)."""
-    STATIC_SHAPES = "static_shapes"
-    """Inputs must be padded to a bounded set of shapes (XLA/TPU, HPU graphs)."""
+    """Decode steps can be captured and replayed: the runner asks
+    :meth:`Platform.decode_graph_runner` only of platforms declaring it."""
     PINNED_HOST_MEMORY = "pinned_host_memory"
-    """Host buffers can be page-locked for faster swaps."""
+    """Host buffers can be page-locked so host-to-device copies need not block: read through
+    :meth:`Platform.pin_host_memory` (host KV caches, sampler inputs)."""
     DEVICE_MEMORY = "device_memory"
-    """The device has its own memory, sized by gpu_memory_utilization."""
+    """The device has memory of its own, sized by ``--gpu-memory-utilization``; without it
+    tensors live in host RAM shared with everything else (:meth:`Platform.shares_host_memory`,
+    the default :meth:`Platform.kv_cache_budget`)."""
+
+
+def capabilities_in_force(declared: frozenset[str], probe: ProbeResult) -> frozenset[str]:
+    """The flags a platform has on this host: those it declares, or none when its probe says
+    it would run as an emulation on the host (see :meth:`Platform.emulate_on_host`)."""
+    return frozenset() if probe.emulated else declared
+
+VERIFICATION_LEVELS = ("real hardware", "emulated", "never run")
+"""Where a platform has really run (:attr:`Platform.verification`); the evidence for each
+built-in platform is in docs/platforms.md."""
+
+DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
+"""KV budget of a platform without :attr:`Capability.DEVICE_MEMORY` when
+``--kv-cache-memory`` is not given (capped at a quarter of available RAM): host RAM is shared
+with everything else. 2 GiB holds ~46k tokens of SmolLM2-135M."""
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host RAM. "Available" is the kernel's MemAvailable (free
+    plus reclaimable page cache), the figure a new allocation can count on; where
+    /proc/meminfo is unreadable, sysconf's free pages (a lower bound)."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], "AttentionMetadata"], torch.Tensor]
@@ -102,9 +142,14 @@ class Platform(ABC):
     dispatch_key: str = ""
     """torch dispatch key of its ops (CPU, CUDA, XPU, ...)."""
     capabilities: frozenset[str] = frozenset()
-    """Subset of :class:`Capability` flags."""
+    """Subset of :class:`Capability` flags the device has (an emulating instance has none:
+    see :meth:`emulate_on_host`)."""
     verification: str = "never run"
-    """Where this platform has really run: 'real hardware', 'emulated on CPU', 'never run'."""
+    """One of :data:`VERIFICATION_LEVELS`: where this platform's code has really run. Only
+    the level: the evidence (machine, versions, date) belongs in docs/platforms.md."""
+    emulated: bool = False
+    """True for an instance running an accelerator's ops on the host CPU (set only by
+    :meth:`emulate_on_host`)."""
     device_visibility_env: str | None = None
     """Env var that restricts a worker process to one device (e.g. CUDA_VISIBLE_DEVICES)."""
 
@@ -114,7 +159,44 @@ class Platform(ABC):
     def probe(cls) -> ProbeResult:
         """Score this host without side effects (no device init, no allocation)."""
 
+    def emulate_on_host(self, host_tensors: bool = True) -> None:
+        """Make this instance an emulation on the host CPU; a constructor calls it when the
+        probe found the platform's software but not its device (``ProbeResult.emulated``).
+
+        The instance then has no capabilities (no device memory to size, nothing to pin or
+        capture) and, with ``host_tensors``, keeps its tensors on the host (device type
+        ``cpu``, dispatch key ``CPU``). A runtime that emulates its device behind its own
+        device type (XLA on the CPU client) passes ``host_tensors=False``. This is the one
+        place emulation changes an instance, so every emulating platform means the same.
+        """
+        self.emulated = True
+        self.capabilities = frozenset()
+        if host_tensors:
+            self.device_type, self.dispatch_key = "cpu", "CPU"
+
     # ---- device facts ---------------------------------------------------------------
+    def shares_host_memory(self) -> bool:
+        """Whether tensors live in host RAM and ops run on the host's cores (the CPU
+        platform, an emulation). Then tensor-parallel ranks share the host's cores and
+        memory, ``CORE_NUM_THREADS`` applies, and a per-rank device-visibility variable
+        means nothing. Default: the device type is the host's."""
+        return self.device_type == "cpu"
+
+    def pin_host_memory(self) -> bool:
+        """Whether host buffers that feed the device (host KV caches, sampler inputs) should
+        be page-locked, so copies to the device need not wait for queued work. Default:
+        :attr:`Capability.PINNED_HOST_MEMORY` is declared (and in force)."""
+        return Capability.PINNED_HOST_MEMORY in self.capabilities
+
+    def ray_resource(self) -> str:
+        """The Ray resource one rank's bundle asks for (Ray isolates GPUs per actor).
+        Default: ``get_extension("ray_resource")`` when the platform gives one, else "CPU"
+        for a platform sharing host memory and "GPU" otherwise."""
+        named = self.get_extension("ray_resource")
+        if named:
+            return named
+        return "CPU" if self.shares_host_memory() else "GPU"
+
     @abstractmethod
     def device_count(self) -> int:
         """Number of devices of this platform visible to this process."""
@@ -199,11 +281,16 @@ class Platform(ABC):
             weights, or, when the runner profiled a forward pass (see
             :meth:`peak_memory_bytes`), the peak of weights plus activations.
 
-        Default: ``requested_bytes`` if given, else ``memory_utilization`` of total device
-        memory minus the weights and what is already in use by others.
+        Default: ``requested_bytes`` if given; else, with :attr:`Capability.DEVICE_MEMORY`,
+        ``memory_utilization`` of total device memory minus the weights and what is already
+        in use by others; else (host RAM, shared with everything else)
+        :data:`DEFAULT_HOST_KV_CACHE_BYTES`, capped at a quarter of available host memory.
         """
         if requested_bytes is not None:
             return requested_bytes
+        if Capability.DEVICE_MEMORY not in self.capabilities:
+            available, _ = host_memory()
+            return min(DEFAULT_HOST_KV_CACHE_BYTES, available // 4)
         free, total = self.memory_info()
         used_by_others = total - free
         return max(0, int(total * memory_utilization) - used_by_others - weights_bytes)

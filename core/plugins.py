@@ -17,7 +17,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from core import hookspecs
-from core.platform import Platform, ProbeResult
+from core.platform import Platform, ProbeResult, capabilities_in_force
 from core.version import PLUGIN_API_VERSION
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,12 @@ class PlatformInfo:
     plugin: str
     cls: type[Platform]
     probe: ProbeResult
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """The capability flags in force on this host (an emulation has none), without
+        constructing the platform."""
+        return capabilities_in_force(self.cls.capabilities, self.probe)
 
 
 def check_api_version(plugin: Any, plugin_name: str) -> None:
@@ -109,12 +115,19 @@ class Plugins:
 
     # ---- registries -----------------------------------------------------------------------
     def _collect(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """(plugin name, result) for every implementation of a hook."""
+        """(plugin name, result) for every implementation of a hook, oldest plugin first.
+
+        Deliberately not ``self.pm.hook.<name>(**kwargs)``: that returns bare results, and
+        the registries must name the plugin behind each one to report a conflict (two
+        plugins claiming a platform, an op, an architecture). pluggy's own way to call one
+        plugin, ``subset_hook_caller``, needs hashable plugin objects, which pluggy does
+        not otherwise require. So the implementations pluggy validated at registration
+        are called here, with pluggy's argument rule; core.hookspecs tells plugin authors
+        the one difference (a defaulted parameter receives the hook argument too)."""
         hook = getattr(self.pm.hook, hook_name)
         out = []
         for impl in hook.get_hookimpls():
-            # An implementation may take a subset of the hook's arguments (pluggy's rule),
-            # required or with a default (pluggy lists the latter in kwargnames).
+            # pluggy's rule: an implementation takes any subset of the hook's arguments.
             names = (*impl.argnames, *impl.kwargnames)
             result = impl.function(**{k: v for k, v in kwargs.items() if k in names})
             if result is not None:
@@ -248,7 +261,9 @@ class Plugins:
         return sorted(infos, key=lambda i: (-i.probe.score, i.name))
 
     def select(self, requested: str | None) -> PlatformInfo:
-        """The platform to run on: ``requested`` if given, else the highest probe score."""
+        """The platform to run on: ``requested`` if given (an emulation too), else the
+        highest probe score among the platforms that are not emulations
+        (``ProbeResult.emulated``); a tie at the top is an error."""
         infos = self.discover()
         listing = _listing(infos, self.load_errors)
         if requested:
@@ -265,11 +280,15 @@ class Plugins:
                     f"{match[0].probe.reason}. Found: {listing}"
                 )
             return match[0]
-        usable = [i for i in infos if i.probe.score > 0]
+        usable = [i for i in infos if i.probe.score > 0 and not i.probe.emulated]
         if not usable:
+            asked = [i.name for i in infos if i.probe.score > 0]
+            hint = (
+                f"; {', '.join(asked)} run only when named: --platform NAME" if asked else ""
+            )
             raise PluginError(
-                f"no usable platform found. Found: {listing or 'none'}. Install one, e.g. "
-                f"pip install 'core[cpu]'"
+                f"no usable platform found. Found: {listing or 'none'}{hint}. Install one, "
+                f"e.g. pip install 'core[cpu]'"
             )
         best = [i for i in usable if i.probe.score == usable[0].probe.score]
         if len(best) > 1:
@@ -282,7 +301,11 @@ class Plugins:
 
 
 def _listing(infos: list[PlatformInfo], errors: dict[str, str]) -> str:
-    parts = [f"{i.name} (score {i.probe.score}: {i.probe.reason})" for i in infos]
+    parts = [
+        f"{i.name} (score {i.probe.score}{', emulation' if i.probe.emulated else ''}: "
+        f"{i.probe.reason})"
+        for i in infos
+    ]
     parts += [f"{name} (failed to load: {err})" for name, err in errors.items()]
     return "; ".join(parts)
 

@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.config import GiB
 from core.models.layers import LinearMethod
-from core.platform import Capability, Platform, ProbeResult, builtin_backend
+from core.platform import Platform, ProbeResult, builtin_backend, host_memory
 from platforms.cpu import linear
 from platforms.cpu.attention import CpuAttentionBackend, CpuPagedAttentionBackend
 from platforms.cpu.isa import has_native_bf16, isa_in_force
@@ -19,30 +18,13 @@ from platforms.cpu.kernels import kernels_or_none, kernels_status
 from platforms.cpu.ops import CpuOps, HeadPolicy
 from platforms.cpu.threads import ThreadGovernor
 
-DEFAULT_KV_CACHE_BYTES = 2 * GiB
-"""KV budget when --kv-cache-memory is not given (capped at a quarter of available RAM); 2 GiB holds ~46k tokens of SmolLM2-135M."""
-
-
-def _available_memory() -> tuple[int, int]:
-    """(available, total) bytes of host RAM from /proc/meminfo (falls back to sysconf)."""
-    try:
-        fields = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                fields[key] = int(value.split()[0]) * 1024
-        return fields["MemAvailable"], fields["MemTotal"]
-    except (OSError, KeyError, ValueError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return total // 2, total
-
 
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dispatch_key = "CPU"
-    capabilities = frozenset({Capability.PINNED_HOST_MEMORY})
-    verification = "real hardware (x86-64 AVX2 and AVX-512 CPUs, CI); Arm NEON under qemu-user"
+    # No capabilities: host RAM is its memory (the default KV budget), nothing to pin.
+    verification = "real hardware"
 
     def __init__(self) -> None:
         self._governor: ThreadGovernor | None = None
@@ -60,7 +42,7 @@ class CpuPlatform(Platform):
         return 1
 
     def memory_info(self, device_index: int = 0) -> tuple[int, int]:
-        return _available_memory()
+        return host_memory()
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16, torch.float16)
@@ -109,14 +91,6 @@ class CpuPlatform(Platform):
         # A quantized format lets a float32 LM head use its exact int8 codes (see CpuOps.lm_head).
         self._head.quantized = weight_format != "dense"
         return method
-
-    def kv_cache_budget(
-        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
-    ) -> int:
-        if requested_bytes is not None:
-            return requested_bytes
-        available, _ = self.memory_info()
-        return min(DEFAULT_KV_CACHE_BYTES, available // 4)
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)

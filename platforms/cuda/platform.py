@@ -60,11 +60,7 @@ class CudaPlatform(Platform):
     capabilities = frozenset(
         {Capability.GRAPH_CAPTURE, Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY}
     )
-    verification = (
-        "real hardware: NVIDIA H200, torch 2.11.0+cu130, driver 580.159.04 (conformance "
-        "14/14, tests/cuda, the kernel and end-to-end benchmarks, 2026-11-29; see "
-        "docs/platforms.md and docs/benchmarks/cuda_*.md)"
-    )
+    verification = "real hardware"  # evidence: docs/platforms.md
     device_visibility_env = "CUDA_VISIBLE_DEVICES"
     paged_attention: type[AttentionBackend] = CudaPagedAttention
     """The built-in backend (the ROCm platform, a subclass, names its own)."""

@@ -4,12 +4,12 @@ Two modes, decided per instance from what is installed:
 
 * **Gaudi**: ``habana_frameworks`` is importable. Tensors live on ``torch.device("hpu")``;
   device facts come from ``habana_frameworks.torch.hpu``. This mode has never run on a
-  Gaudi (none was available), so :attr:`verification` says "never run".
+  Gaudi (none was available); docs/platforms.md says so.
 * **CPU emulation**: ``habana_frameworks`` is absent. The same attention and cache ops run
   on CPU tensors, which is how the conformance suite verifies them here. The probe scores
-  this mode 0 (never selected) unless the user opts in with ``CORE_HPU_EMULATE=1``, in
-  which case it scores 1 — equal to the CPU platform, so automatic selection refuses the
-  tie and the user must name it (``--platform hpu`` / ``--core-platform=hpu``).
+  this mode 0 (unusable) unless the user opts in with ``CORE_HPU_EMULATE=1``; then it is
+  usable but ``emulated``: automatic selection never picks it, the user names it
+  (``--platform hpu`` / ``--core-platform=hpu``).
 
 ``habana_frameworks`` is only looked up with ``importlib.util.find_spec`` (which does not
 import it) in :meth:`probe`, and only imported inside methods of a Gaudi-mode instance.
@@ -26,17 +26,12 @@ from types import ModuleType
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.config import GiB
-from core.platform import Capability, Platform, ProbeResult, builtin_backend
+from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
 from platforms.hpu.attention import HpuAttentionBackend
 
 EMULATE_ENV = "CORE_HPU_EMULATE"
 """Set to 1 to make the HPU platform selectable on a host without Gaudi: its ops then run
 on CPU tensors (for verification; slower than the CPU platform)."""
-
-EMULATED_KV_CACHE_BYTES = 2 * GiB
-"""KV budget of the emulation when --kv-cache-memory is not given (capped at a quarter of
-available RAM): host RAM is shared with everything else, unlike a Gaudi's HBM."""
 
 
 def emulation_requested(environ: dict[str, str] | None = None) -> bool:
@@ -56,27 +51,19 @@ def _hpu_module() -> ModuleType:
     return importlib.import_module("habana_frameworks.torch.hpu")
 
 
-def _host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host RAM."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-
-
 class HpuPlatform(Platform):
     name = "hpu"
     device_type = "hpu"
-    """"hpu" with habana_frameworks; an emulating instance sets "cpu" (see __init__)."""
     dispatch_key = "HPU"
-    capabilities = frozenset({Capability.GRAPH_CAPTURE, Capability.STATIC_SHAPES})
-    verification = "never run"
+    capabilities = frozenset({Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY})
+    """On a Gaudi (HBM of its own). No GRAPH_CAPTURE until the platform has a decode graph
+    runner (HPU graphs); the emulation has none (see :meth:`Platform.emulate_on_host`)."""
+    verification = "emulated"
     device_visibility_env = "HABANA_VISIBLE_DEVICES"
 
     def __init__(self) -> None:
-        self.emulated = not habana_installed()
-        if self.emulated:
-            self.device_type = "cpu"
-            self.dispatch_key = "CPU"
-            self.verification = "emulated on CPU"
+        if not habana_installed():
+            self.emulate_on_host()
         else:
             _hpu_module()  # registers the "hpu" device with torch before any allocation
 
@@ -89,7 +76,10 @@ class HpuPlatform(Platform):
             return ProbeResult(0, "habana_frameworks installed but no Gaudi device under /dev/accel")
         if emulation_requested():
             return ProbeResult(
-                1, f"habana_frameworks not installed; emulating on CPU ({EMULATE_ENV}=1)"
+                1,
+                f"habana_frameworks not installed; emulating on CPU ({EMULATE_ENV}=1); used "
+                f"only when selected with --platform hpu",
+                emulated=True,
             )
         return ProbeResult(
             0,
@@ -103,7 +93,7 @@ class HpuPlatform(Platform):
 
     def memory_info(self, device_index: int = 0) -> tuple[int, int]:
         if self.emulated:
-            return _host_memory()
+            return host_memory()
         stats = _hpu_module().memory_stats(device_index)
         total = int(stats["Limit"])
         return total - int(stats["InUse"]), total
@@ -127,17 +117,12 @@ class HpuPlatform(Platform):
     ) -> type[AttentionBackend]:
         return builtin_backend(self.name, requested, HpuAttentionBackend)
 
-    def kv_cache_budget(
-        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
-    ) -> int:
-        if requested_bytes is not None or not self.emulated:
-            return super().kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
-        available, _ = _host_memory()
-        return min(EMULATED_KV_CACHE_BYTES, available // 4)
-
     # ---- distributed and runtime ----------------------------------------------------------
     def distributed_backend(self) -> str:
         return "hccl"
+
+    def ray_resource(self) -> str:
+        return "CPU" if self.emulated else "HPU"
 
     def synchronize(self) -> None:
         if not self.emulated:

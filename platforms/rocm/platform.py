@@ -128,7 +128,7 @@ class RocmPlatform(CudaPlatform):
     the attention backend and the status are ROCm's own."""
 
     name = "rocm"
-    verification = "never run (compiled for gfx90a with hipcc only)"
+    verification = "never run"  # compiled for gfx90a with hipcc only: docs/platforms.md
     device_visibility_env = "HIP_VISIBLE_DEVICES"
     paged_attention = RocmPagedAttention
 

@@ -5,9 +5,10 @@ and TPU chips are found by their device files, without starting the XLA runtime)
 
 * torch-xla not installed -> score 0 (the reason says ``pip install 'core[tpu]'``);
 * torch-xla installed and TPU chips present (``/dev/accel*`` or ``/dev/vfio/N``) -> 100;
-* torch-xla installed, no TPU -> score 1: XLA then runs on the host CPU (``PJRT_DEVICE=CPU``),
-  an emulation that ties with the CPU platform on purpose, so automatic selection refuses
-  and asks, while ``--platform tpu`` selects it explicitly (how CI verifies it).
+* torch-xla installed, no TPU -> score 1, ``emulated``: XLA then runs on the host CPU
+  (``PJRT_DEVICE=CPU``). Automatic selection never picks an emulation, so installing
+  ``core[tpu]`` on a CPU host leaves a plain ``core generate`` on the CPU platform, while
+  ``--platform tpu`` selects it explicitly (how CI verifies it).
 
 torch-xla traces lazily: the runner's per-step :meth:`TpuPlatform.step_boundary` is where a
 step's graph is cut, compiled (once per bucketed shape) and launched, and steps run under
@@ -26,8 +27,7 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.platform import Capability, Platform, ProbeResult, builtin_backend
-from platforms.cpu.platform import DEFAULT_KV_CACHE_BYTES, _available_memory
+from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
 from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
 
 TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
@@ -42,11 +42,11 @@ class TpuPlatform(Platform):
     name = "tpu"
     device_type = "xla"
     dispatch_key = "XLA"
-    capabilities = frozenset(
-        {Capability.STATIC_SHAPES, Capability.GRAPH_CAPTURE, Capability.DEVICE_MEMORY}
-    )
-    """On a TPU; running on the host CPU the instance drops DEVICE_MEMORY."""
-    verification = "emulated on CPU (PJRT_DEVICE=CPU)"
+    capabilities = frozenset({Capability.DEVICE_MEMORY})
+    """On a TPU (HBM of its own). No GRAPH_CAPTURE: XLA compiles every step itself (see
+    :meth:`step_boundary`), there is no decode graph runner to ask for. XLA on the host CPU
+    has none (see :meth:`Platform.emulate_on_host`)."""
+    verification = "emulated"
     device_visibility_env = "TPU_VISIBLE_CHIPS"
 
     def __init__(self) -> None:
@@ -54,7 +54,8 @@ class TpuPlatform(Platform):
 
         self.on_tpu = xr.device_type() == "TPU"
         if not self.on_tpu:
-            self.capabilities = self.capabilities - {Capability.DEVICE_MEMORY}
+            # tensors stay on the xla device, which the PJRT CPU client backs with host RAM
+            self.emulate_on_host(host_tensors=False)
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -67,7 +68,8 @@ class TpuPlatform(Platform):
         return ProbeResult(
             1,
             f"torch-xla {version} present, no TPU found: XLA runs on the CPU (PJRT_DEVICE=CPU) "
-            f"as an emulation; select it explicitly with --platform tpu",
+            f"as an emulation; used only when selected with --platform tpu",
+            emulated=True,
         )
 
     # ---- device facts -----------------------------------------------------------------
@@ -78,7 +80,7 @@ class TpuPlatform(Platform):
 
     def memory_info(self, device_index: int = 0) -> tuple[int, int]:
         if not self.on_tpu:
-            return _available_memory()  # the PJRT CPU client keeps no allocator stats
+            return host_memory()  # the PJRT CPU client keeps no allocator stats
         import torch_xla.core.xla_model as xm
 
         info = xm.get_memory_info(self.device(device_index))
@@ -111,18 +113,13 @@ class TpuPlatform(Platform):
             self.name, requested, default, PallasTpuAttentionBackend, TpuAttentionBackend
         )
 
-    def kv_cache_budget(
-        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
-    ) -> int:
-        if requested_bytes is not None or self.on_tpu:
-            return super().kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
-        available, _ = _available_memory()
-        return min(DEFAULT_KV_CACHE_BYTES, available // 4)
-
     # ---- distributed and runtime ---------------------------------------------------------
     def distributed_backend(self) -> str:
         # registered with torch.distributed by torch_xla.distributed.xla_backend
         return "xla"
+
+    def ray_resource(self) -> str:
+        return "CPU" if self.emulated else "TPU"
 
     def synchronize(self) -> None:
         """Cut the traced graph here, run it, and wait for it to finish."""

@@ -4,10 +4,10 @@ Probe policy (side-effect free: IPEX is located with ``find_spec``, never import
 
 * IPEX not installed -> score 0 (unusable; the reason says ``pip install 'core[xpu]'``);
 * IPEX installed and ``torch.xpu`` sees devices -> score 100, device ``xpu``;
-* IPEX installed, no XPU device -> score 1 with a reason saying it runs on IPEX's CPU
-  kernels. That ties with the CPU platform on purpose: automatic selection then refuses
-  and asks the user to choose, so a host never lands on the emulation by accident, while
-  ``--platform xpu`` selects it explicitly (this is how it is verified on x86 CI).
+* IPEX installed, no XPU device -> score 1, ``emulated``: it runs on IPEX's CPU kernels.
+  Automatic selection never picks an emulation, so installing ``core[xpu]`` on a CPU host
+  leaves a plain ``core generate`` on the CPU platform, while ``--platform xpu`` selects
+  it explicitly (this is how it is verified on x86 CI).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.platform import Capability, Platform, ProbeResult, builtin_backend
-from platforms.cpu.platform import DEFAULT_KV_CACHE_BYTES, _available_memory
+from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
 from platforms.xpu.attention import XpuAttentionBackend
 
 IPEX_DIST = "intel-extension-for-pytorch"
@@ -38,16 +37,13 @@ class XpuPlatform(Platform):
     dispatch_key = "XPU"
     capabilities = frozenset({Capability.DEVICE_MEMORY, Capability.PINNED_HOST_MEMORY})
     """On an Intel GPU; an instance running on IPEX's CPU kernels has none of these."""
-    verification = "emulated on CPU (IPEX CPU kernels)"
+    verification = "emulated"
     device_visibility_env = "ZE_AFFINITY_MASK"
 
     def __init__(self) -> None:
         self.on_device = xpu_device_count() > 0
         if not self.on_device:
-            # IPEX's CPU kernels: tensors live on the host
-            self.device_type = "cpu"
-            self.dispatch_key = "CPU"
-            self.capabilities = frozenset()
+            self.emulate_on_host()  # IPEX's CPU kernels: tensors live on the host
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -62,7 +58,8 @@ class XpuPlatform(Platform):
         return ProbeResult(
             1,
             f"IPEX {version} present, no XPU device: runs on IPEX's CPU kernels (emulation); "
-            f"select it explicitly with --platform xpu",
+            f"used only when selected with --platform xpu",
+            emulated=True,
         )
 
     # ---- device facts -----------------------------------------------------------------
@@ -71,7 +68,7 @@ class XpuPlatform(Platform):
 
     def memory_info(self, device_index: int = 0) -> tuple[int, int]:
         if not self.on_device:
-            return _available_memory()
+            return host_memory()
         free, total = torch.xpu.mem_get_info(device_index)
         return int(free), int(total)
 
@@ -92,14 +89,6 @@ class XpuPlatform(Platform):
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
         return builtin_backend(self.name, requested, XpuAttentionBackend)
-
-    def kv_cache_budget(
-        self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int
-    ) -> int:
-        if requested_bytes is not None or self.on_device:
-            return super().kv_cache_budget(requested_bytes, memory_utilization, weights_bytes)
-        available, _ = _available_memory()
-        return min(DEFAULT_KV_CACHE_BYTES, available // 4)
 
     # ---- distributed and runtime ---------------------------------------------------------
     def distributed_backend(self) -> str:

@@ -44,7 +44,7 @@ def test_probe_says_what_is_missing_or_how_it_runs():
     if not HAVE_XLA:
         assert probe.score == 0 and "pip install 'core[tpu]'" in probe.reason
     elif "no TPU found" in probe.reason:
-        assert probe.score == 1 and "--platform tpu" in probe.reason
+        assert probe.score == 1 and probe.emulated and "--platform tpu" in probe.reason
     else:
         assert probe.score == 100 and "TPU chip" in probe.reason
 
@@ -78,7 +78,9 @@ def test_platform_facts(platform):
     import torch.distributed as dist
 
     assert platform.device(0).type == "xla"
-    assert {Capability.STATIC_SHAPES, Capability.GRAPH_CAPTURE} <= platform.capabilities
+    # a TPU has memory of its own; XLA on the host CPU is an emulation with no capabilities
+    expected = frozenset({Capability.DEVICE_MEMORY}) if platform.on_tpu else frozenset()
+    assert platform.capabilities == expected and platform.emulated == (not platform.on_tpu)
     backend = platform.distributed_backend()
     import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
 

@@ -2,8 +2,8 @@
 
 There is no Acme silicon and no ``acme`` torch device: registering a torch device type
 needs a C++ backend (PrivateUse1), which an emulation has no reason to build. So tensors
-live on ``torch.device("cpu")`` and :attr:`AcmePlatform.verification` says "emulated on
-CPU". Everything else is the NPU's own: its KV layout and kernels
+live on ``torch.device("cpu")`` and :attr:`AcmePlatform.verification` says "emulated".
+Everything else is the NPU's own: its KV layout and kernels
 (:mod:`core_acme.attention`), its block sizes (32, 64), its dtypes (no float16 units),
 its simulated device memory (``ACME_NPU_MEMORY``, default 2 GiB) and its config checks.
 
@@ -15,7 +15,6 @@ it scores :data:`EMULATED_SCORE`, above the CPU platform's 1, so an opted-in hos
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 from core.attention import AttentionBackend, AttentionSpec
 from core.config import EngineConfig
-from core.platform import Capability, Platform, ProbeResult
+from core.platform import Capability, Platform, ProbeResult, host_memory
 from core_acme import envs
 from core_acme.attention import BLOCK_SIZES, DTYPES, AcmeAttentionBackend
 
@@ -46,17 +45,12 @@ class AcmeDeviceProperties:
     kv_layout: str
 
 
-def _host_available_bytes() -> int:
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page
-
-
 class AcmePlatform(Platform):
     name = "acme"
     device_type = "cpu"
     dispatch_key = "CPU"
     capabilities = frozenset({Capability.DEVICE_MEMORY})
-    verification = "emulated on CPU (no Acme silicon exists; torch device 'cpu')"
+    verification = "emulated"  # no Acme silicon exists; its tensors are on torch device cpu
 
     def __init__(self) -> None:
         self.env = envs.read()
@@ -131,7 +125,7 @@ class AcmePlatform(Platform):
                 f"(now {self.env.memory_text})"
             )
         budget = requested_bytes if requested_bytes is not None else max(0, room)
-        host = int(_host_available_bytes() * HOST_RAM_SHARE)
+        host = int(host_memory()[0] * HOST_RAM_SHARE)
         if budget > host:  # the emulation backs device memory with host RAM
             raise ValueError(
                 f"the emulated Acme NPU would allocate a {budget / (1 << 30):.2f} GiB KV cache "
