@@ -145,7 +145,7 @@ def worker_visibility(platform: Platform, rank: int, world_size: int) -> tuple[s
     variable when the user set it (ids or UUIDs are passed through), else device n.
     """
     var = platform.device_visibility_env
-    if var is None or platform.device_type == "cpu":
+    if var is None or platform.shares_host_memory():
         return None
     # The one environment read below the entry point: the user's device restriction
     # must be narrowed per worker, and only the platform knows the variable's name.
@@ -192,7 +192,7 @@ class MultiprocExecutor(Executor):
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = None
-        if setup.platform.device_type == "cpu":  # the ranks share this host's cores
+        if setup.platform.shares_host_memory():  # the ranks share this host's cores
             threads = max(1, torch.get_num_threads() // self.world_size)
         visible = [worker_visibility(setup.platform, r, self.world_size) for r in range(self.world_size)]
         for rank in range(self.world_size):

@@ -86,7 +86,7 @@ def _fitting_kv(heads: int | None, kv_heads: int) -> list[int]:
 
 
 def _check_devices(platform: Platform, tp: int) -> None:
-    if platform.device_type == "cpu":
+    if platform.shares_host_memory():
         cores = os.cpu_count() or 1
         if tp > cores:
             logger.warning(

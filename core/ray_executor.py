@@ -34,11 +34,6 @@ RAY_PLACEMENT_TIMEOUT_S = 120.0
 RAY_HEALTH_TIMEOUT_S = 10.0
 """How long check_health waits for each actor's answer."""
 
-# Ray resource that holds one device of a platform's device type (Ray isolates GPUs per
-# actor); a platform can name its own through get_extension("ray_resource").
-_RAY_RESOURCES = {"cpu": "CPU", "cuda": "GPU", "xpu": "GPU", "hpu": "HPU", "xla": "TPU"}
-
-
 def _import_ray():
     try:
         import ray
@@ -52,7 +47,7 @@ def _import_ray():
 
 def ray_resource(platform) -> str:
     """The Ray resource one rank's bundle asks for on ``platform``."""
-    return platform.get_extension("ray_resource") or _RAY_RESOURCES.get(platform.device_type, "GPU")
+    return platform.ray_resource()
 
 
 class RayWorkerActor:
@@ -66,7 +61,7 @@ class RayWorkerActor:
         """(node id, node IP, devices of the platform this actor sees)."""
         import ray
 
-        visible = 0 if self.setup.platform.device_type == "cpu" else self.setup.platform.device_count()
+        visible = 0 if self.setup.platform.shares_host_memory() else self.setup.platform.device_count()
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), visible
 
     def free_port(self) -> int:

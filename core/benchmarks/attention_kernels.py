@@ -61,14 +61,29 @@ def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     return label, options
 
 
+def _has_events(device: torch.device) -> bool:
+    """Whether ``device``'s backend records timing events (host backends do not: their ops
+    are synchronous, so the host clock times them)."""
+    try:
+        start, end = (torch.Event(device=device, enable_timing=True) for _ in range(2))
+        start.record()
+        end.record()
+        end.synchronize()
+        start.elapsed_time(end)
+    except RuntimeError:
+        return False
+    return True
+
+
 def time_ms(fn, device: torch.device, flush: torch.Tensor, reps: int) -> list[float]:
-    """Per-call device times of ``fn`` (ms), each after an L2 flush. Devices with events
-    are timed with them; the CPU (no events, synchronous) with the host clock."""
+    """Per-call device times of ``fn`` (ms), each after an L2 flush: with the device's
+    timing events where it has them, else with the host clock."""
     times = []
+    events = _has_events(device)
     for _ in range(reps):
         flush.sum()
         flush.sum()
-        if device.type == "cpu":
+        if not events:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

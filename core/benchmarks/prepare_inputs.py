@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--pin", action="store_true", help="page-locked staging (accelerators)")
     ns = p.parse_args(argv)
     device = torch.device(ns.device)
-    mod = getattr(torch, device.type, None)
-    sync = mod.synchronize if device.type != "cpu" and mod is not None else (lambda: None)
+    # torch.<device type>.synchronize where the backend module has one (a no-op on the host)
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None) or (lambda: None)
     for b in ns.batches:
         print(json.dumps(dataclasses.asdict(_Row(**measure(b, ns, device, sync)))), flush=True)
     return 0

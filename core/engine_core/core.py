@@ -162,7 +162,7 @@ def load_platform_and_config(args: EngineArgs, plugins: Plugins | None = None) -
     plugins = plugins or load_plugins(env.no_plugin_autoload, env.plugins)
     info = plugins.select(args.platform or env.platform)
     platform = info.cls()
-    if env.num_threads and platform.device_type == "cpu":
+    if env.num_threads and platform.shares_host_memory():
         torch.set_num_threads(env.num_threads)
     plugins.register_model_configs()  # before the checkpoint's config.json is read
     config = resolve_config(args, platform, env.cache_dir)

@@ -135,7 +135,7 @@ def cmd_platforms(ns) -> int:
     plugins = load_plugins(env.no_plugin_autoload, env.plugins)
     rows = []
     for i in plugins.discover():
-        caps = ", ".join(sorted(i.cls.capabilities)) or "-"
+        caps = ", ".join(sorted(i.capabilities)) or "-"
         rows.append([i.name, i.plugin, str(i.probe.score), i.cls.verification, f"{i.probe.reason} [caps: {caps}]"])
     for name, err in plugins.load_errors.items():
         rows.append([name, "(failed)", "-", "-", f"failed to load: {err}"])
@@ -356,11 +356,7 @@ def _help_device_memory(argv: list[str], env: envs.Env) -> bool:
     if "--platform" in argv[:-1]:
         name = argv[argv.index("--platform") + 1]
     try:
-        info = load_plugins(env.no_plugin_autoload, env.plugins).select(name)
-        try:  # an instance may drop capabilities a class declares (e.g. emulated on the host)
-            caps = info.cls().capabilities
-        except Exception:
-            caps = info.cls.capabilities
+        caps = load_plugins(env.no_plugin_autoload, env.plugins).select(name).capabilities  # in force here
     except Exception:
         return True
     return Capability.DEVICE_MEMORY in caps

@@ -77,7 +77,7 @@ def fill_bitmasks(
 
 def _check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:
     words = (vocab_size + 31) // 32
-    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+    if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not bitmask.is_contiguous():
         raise ValueError(
             f"the bitmask must be a contiguous int32 host tensor (got {bitmask.dtype} on {bitmask.device}); "
             f"use allocate_bitmask()"

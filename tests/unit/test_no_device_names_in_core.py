@@ -27,28 +27,6 @@ CONTRACT = {"platform.py"}
 
 ALLOWED = Counter({
     # (file relative to core/, the offending expression as ast.unparse writes it): count.
-    # Line numbers as of this commit are in the comments; each is an issue #19 item.
-    # engine.py:176 -> `platform.shares_host_memory()` (CORE_NUM_THREADS applies to host compute)
-    ("engine.py", "platform.device_type == 'cpu'"): 1,
-    # model_runner.py:121 -> `pin = self.platform.pin_host_memory()` (XPU then pins, as declared)
-    ("model_runner.py", "self.platform.device_type != 'cpu'"): 1,
-    # parallel_check.py:89 -> `platform.shares_host_memory()` (ranks compete for host cores)
-    ("parallel_check.py", "platform.device_type == 'cpu'"): 1,
-    # distributed_executor.py:148 and :195 -> `platform.shares_host_memory()`
-    ("distributed_executor.py", "platform.device_type == 'cpu'"): 1,
-    ("distributed_executor.py", "setup.platform.device_type == 'cpu'"): 1,
-    # ray_executor.py:39 (the table) and :55 -> `platform.ray_resource()`; :69 ->
-    # `self.setup.platform.shares_host_memory()`
-    ("ray_executor.py", "{'cpu': 'CPU', 'cuda': 'GPU', 'xpu': 'GPU', 'hpu': 'HPU', 'xla': 'TPU'}"): 1,
-    ("ray_executor.py", "self.setup.platform.device_type == 'cpu'"): 1,
-    # sampler.py:120/:122 -> `_to_device(values, dtype, device, pin)` with
-    # `pin = platform.pin_host_memory()` passed down from the runner; a host device needs no
-    # copy at all (`platform.shares_host_memory()`)
-    ("sampler.py", "device.type == 'cpu'"): 1,
-    ("sampler.py", "device.type == 'cuda'"): 1,
-    # benchmarks/attention_kernels.py:71 -> host clock vs device events is a platform fact:
-    # time with events wherever `torch.Event(device=...)` exists, else the host clock
-    ("benchmarks/attention_kernels.py", "device.type == 'cpu'"): 1,
     # The conformance suite's contract facts, not device questions: host (swap) caches live
     # on the cpu device by contract (checks_blocks.py:119), and the CPU platform is the
     # reference the others are compared with (checks_e2e.py:71).

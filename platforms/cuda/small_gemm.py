@@ -1,6 +1,6 @@
 """The decode-step GEMMs (M <= 16 rows) on a GPU: cuBLAS against split-K, as bandwidth.
 
-    python -m core.benchmarks.small_gemm [--rows 1 2 4 8 16] [--splits 2 4 8]
+    python -m platforms.cuda.small_gemm [--rows 1 2 4 8 16] [--splits 2 4 8]
                                          [--dtype bfloat16] [--output-json PATH]
 
 At batch 1-16 a linear layer reads its whole weight for a handful of rows, so it is bound by
