@@ -6,8 +6,8 @@ set -eu
 cd "$(dirname "$0")/../.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
   fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection uvicorn \
   openai jiter distro sniffio gguf pyzmq msgspec opentelemetry-api typing_extensions httpx2 httpcore2 \
-  anyio truststore
+  anyio truststore llguidance jsonschema jsonschema-specifications referencing rpds-py
 ls .whl

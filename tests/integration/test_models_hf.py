@@ -113,12 +113,14 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def tiny_dir(tmp_path, case: str):
+def tiny_dir(tmp_path, case: str, **extra):
+    """The case's checkpoint; ``extra`` fields override its config (e.g. a head size that
+    a GPU platform's kernels support)."""
     import transformers
 
     family, overrides = CASES[case]
     config_cls, model_cls, fields = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**fields, **overrides})
+    config = getattr(transformers, config_cls)(**{**fields, **overrides, **extra})
     path = tmp_path / case
     return save_tiny_model(path, getattr(transformers, model_cls), config, seed=len(case))
 
