@@ -15,7 +15,13 @@ EP=/tmp/core-entry-points/core-0.0.0.dist-info
 mkdir -p $EP
 printf 'Metadata-Version: 2.1\nName: core\nVersion: 0.0.0\n' >$EP/METADATA
 printf '[core.platforms]\ncpu = platforms.cpu\ncuda = platforms.cuda\n' >$EP/entry_points.txt
-export PYTHONPATH=$PWD:$(dirname $EP)
+# The engine's own dependencies missing on the H200's image (msgspec, pyzmq...) travel as
+# wheels in .whl/ (docs/benchmarks/cuda_wheels.sh; carry .whl), installed into /tmp/site.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD:$(dirname $EP):/tmp/site
 
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2
