@@ -1,9 +1,9 @@
 """Prometheus metrics for ``GET /metrics`` (names in the ``core:`` namespace).
 
 Gauges and totals are read at scrape time from the engine's latest
-:class:`~core.async_engine.EngineSnapshot` (copied by the engine thread after every step and
+:class:`~core.async_engine.EngineSnapshot` (copied by the front end's output thread from each step's statistics and
 command batch), so a scrape never touches the engine. Latency histograms are fed once per
-finished request from the engine thread. Every metric carries a ``model_name`` label.
+finished request from the front end's output thread. Every metric carries a ``model_name`` label.
 docs/serving.md lists them all.
 """
 
@@ -87,7 +87,7 @@ class Metrics:
                                    ["model_name", "status"], registry=r)
 
     def on_finished(self, out: RequestOutput) -> None:
-        """Record a finished request's latencies (called on the engine thread)."""
+        """Record a finished request's latencies (called on the front end's output thread)."""
         m = out.metrics
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
         self.finished.labels(self.model_name, reason).inc()
