@@ -267,16 +267,19 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        exact_max_tokens: bool = False,
     ) -> RequestStream:
         """Tokenize and check the request, hand it to the engine core, and return its stream
-        once the engine core has accepted it."""
+        once the engine core has accepted it. ``exact_max_tokens``: refuse a ``max_tokens``
+        that does not fit beside the prompt instead of capping it (see InputProcessor)."""
         request_id = request_id or self._next_id()
         loop = asyncio.get_running_loop()
         with self._lock:
             self._raise_if_dead()
             self._raise_if_taken(request_id)
         req, text = await loop.run_in_executor(
-            self._tokenizer_pool, self._inputs.process, request_id, prompt, params, priority, arrival_time
+            self._tokenizer_pool, self._inputs.process, request_id, prompt, params, priority, arrival_time,
+            exact_max_tokens,
         )
         stream = RequestStream(request_id, loop, self.abort)
         fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -32,15 +32,20 @@ class InputProcessor:
         params: SamplingParams | None,
         priority: int = 0,
         arrival_time: float | None = None,
+        exact_max_tokens: bool = False,
     ) -> tuple[EngineRequest, str | None]:
         """The engine request and the prompt text (None for token ids).
+
+        ``max_tokens`` beyond the room the prompt leaves in max_model_len is capped to that
+        room (a default is a cap), or, with ``exact_max_tokens`` (a client asked for exactly
+        that many, as OpenAI's API means it), refused.
 
         :raises ValueError: an empty prompt, ids outside the vocabulary, a prompt that leaves
             no room in max_model_len, parameters naming unknown token ids.
         """
         params = params or SamplingParams()
         text, ids = self._tokenize(prompt)
-        params = self._check_params(params, len(ids))
+        params = self._check_params(params, len(ids), exact_max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         return EngineRequest(request_id, tuple(ids), params, priority, arrival), text
 
@@ -66,7 +71,7 @@ class InputProcessor:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return text, ids
 
-    def _check_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _check_params(self, params: SamplingParams, prompt_len: int, exact_max_tokens: bool) -> SamplingParams:
         max_len = self.max_model_len
         if prompt_len >= max_len:
             raise ValueError(
@@ -75,6 +80,11 @@ class InputProcessor:
             )
         params.check_vocab(self.vocab_size)
         room = max_len - prompt_len
+        if exact_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} does not fit: max_model_len is {max_len} tokens and "
+                f"the prompt has {prompt_len}, so at most {room} can be generated; lower max_tokens"
+            )
         if params.max_tokens is None or params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
         if params.min_tokens > params.max_tokens:

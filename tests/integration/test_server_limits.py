@@ -169,6 +169,16 @@ def test_max_tokens_room_counts_the_prompt(http):
     assert e["param"] == "max_completion_tokens"
 
 
+def test_max_tokens_room_counts_a_text_prompt_once_tokenized(http):
+    # the text is measured only after tokenization (in the engine client), and still refused
+    text = "word " * 600
+    e = _error(http.post("/v1/completions", json={"prompt": text, "max_tokens": LEN - 100}), 400)
+    assert e["param"] == "max_tokens" and "does not fit" in e["message"], e
+    # without an explicit max_tokens the default is a cap, not a demand
+    ok = http.post("/v1/completions", json={"prompt": text})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": [True]}, "prompt"), ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
     ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": ""}, "prompt"),

@@ -73,7 +73,9 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ctx.warn_unknown_fields(request_id, req)
     texts = await ctx.token_texts() if req.logprobs is not None else []
-    streams = await ctx.submit(request_id, prompts, params, req.priority)
+    # text prompts are measured only once tokenized (in the engine client): refuse there too
+    streams = await ctx.submit(request_id, prompts, params, req.priority,
+                               exact_max_tokens="max_tokens" in req.model_fields_set)
     ctx.log_received(request_id, "completions", req, prompts, req.max_tokens)
     if req.stream:
         events = _events(ctx, req, request_id, streams, texts)

@@ -171,11 +171,15 @@ class ServerContext:
 
     # ---- engine ----------------------------------------------------------------------------------
     async def submit(
-        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int
+        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
+        exact_max_tokens: bool = False,
     ) -> list[RequestStream]:
-        """Add one engine request per prompt (ids ``{request_id}-{i}``); all or none."""
+        """Add one engine request per prompt (ids ``{request_id}-{i}``); all or none.
+        ``exact_max_tokens``: the client set max_tokens, so one that does not fit beside a
+        prompt is refused, never cut."""
         results = await asyncio.gather(
-            *(self.engine.add_request(p, params, f"{request_id}-{i}", priority) for i, p in enumerate(prompts)),
+            *(self.engine.add_request(p, params, f"{request_id}-{i}", priority, exact_max_tokens=exact_max_tokens)
+              for i, p in enumerate(prompts)),
             return_exceptions=True,
         )
         streams = [r for r in results if isinstance(r, RequestStream)]
