@@ -173,25 +173,34 @@ class AsyncLLMEngine:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Message)
         self._start_process(args, make_core)
+        ready = False
         try:
             self.info: EngineInfo = self._wait_ready(startup_timeout)
+            ready = True
+            logger.info("engine core running in process %d", self.proc.pid)
+            self._load_front_end(self.info)
         except BaseException:
-            # Interrupted or failed start-up: SIGTERM at once (the core unwinds, e.g. a kernel
-            # build removes its lock), SIGKILL only if that does not end it.
+            # Interrupted or failed start-up: a ready core ignores SIGTERM, so tell it to stop
+            # (only then: a PUSH to a core not yet connected would block); one still starting
+            # gets SIGTERM at once (it unwinds: a kernel build removes its lock); SIGKILL only
+            # if neither ends it.
+            if ready:
+                self._send(Shutdown())
             self._stop_process(timeout=0.0, term_grace=30.0)
             self._close_sockets()
             raise
-        logger.info("engine core running in process %d", self.proc.pid)
-        info = self.info
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-tokenizer")
+        self._thread = threading.Thread(target=self._receive_loop, name="core-outputs", daemon=True)
+        self._thread.start()
+
+    def _load_front_end(self, info: EngineInfo) -> None:
+        """The API side's tokenizers and processors, once the engine core is ready."""
         self.vocab_size = info.vocab_size
         self.tokenizer = load_tokenizer(info.tokenizer, info.gguf_file, info.cache_dir)
         self._inputs = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len)
         # Its own tokenizer: the output thread decodes while the tokenizer thread encodes,
         # and one HF fast tokenizer must not be used from two threads at once.
         self._outputs = OutputProcessor(load_tokenizer(info.tokenizer, info.gguf_file, info.cache_dir))
-        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-tokenizer")
-        self._thread = threading.Thread(target=self._receive_loop, name="core-outputs", daemon=True)
-        self._thread.start()
 
     # ---- the process ----------------------------------------------------------------------
     def _start_process(self, args: EngineArgs, make_core: Callable[[EngineArgs], EngineCore]) -> None:

@@ -667,7 +667,7 @@ class Scheduler:
         need = shared + n * (blocks_for(self._max_len(request.seqs[0]), bs) - shared)
         if need > self.bm.num_usable_blocks:
             return (
-                f"{n} sample(s) of up to {self._max_len(request.seqs[0])} tokens need {need} KV "
+                f"n={n} sample(s) of up to {self._max_len(request.seqs[0])} tokens need {need} KV "
                 f"blocks of {bs} tokens but the cache has {self.bm.num_usable_blocks}; lower "
                 "max_tokens or n, or raise the KV cache memory"
             )

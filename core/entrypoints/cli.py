@@ -120,7 +120,12 @@ def _chat_loop(llm, ns) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        reply = stream_reply(llm.engine, llm.apply_chat_template(history), _params(ns))
+        try:
+            reply = stream_reply(llm.engine, llm.apply_chat_template(history), _params(ns))
+        except ValueError as e:  # e.g. the conversation no longer fits max_model_len
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
         print(flush=True)
         if reply.finish_reason == "abort":
             print("[reply stopped]", file=sys.stderr)

@@ -147,9 +147,9 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            for rid in ids:
+            for rid in ids:  # their final outputs are nobody's: the next call must not get them
                 if rid not in done:
-                    self.engine.abort_request(rid)
+                    self.engine.abort_request(rid, report=False)
             raise
         finally:
             bar.close()

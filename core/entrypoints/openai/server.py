@@ -57,6 +57,7 @@ from core.entrypoints.openai.protocol import (
 )
 from core.entrypoints.openai.serving import ServerContext
 from core.entrypoints.openai.shutdown import BACKSTOP_S, ShutdownGrace
+from core.entrypoints.signals import exit_on_sigterm
 from core.version import __version__
 
 logger = logging.getLogger("core.entrypoints.openai")
@@ -242,8 +243,10 @@ def run_server(ns: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.on_finished(out)
 
-    # A SIGTERM while the model loads must stop the engine-core child too, not orphan it.
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    # A SIGTERM while the model loads must stop the engine-core child too, not orphan it:
+    # it unwinds as SystemExit (a second one kills at once), and AsyncLLMEngine stops the child.
+    previous = signal.getsignal(signal.SIGTERM)
+    exit_on_sigterm()
     try:
         async_engine = AsyncLLMEngine(EngineArgs.from_cli_args(ns), on_finished=on_finished)
     except EngineStartupError as e:
@@ -251,30 +254,32 @@ def run_server(ns: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    name = served_name(args, async_engine.info.model)
-    metrics = Metrics(name, lambda: async_engine.snapshot)
-    app = build_app(async_engine, args, metrics)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_config=None,  # keep the process's logging setup (core's format and level)
-        log_level=args.uvicorn_log_level,
-        access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
-        # ShutdownGrace ends open requests at the grace period; uvicorn's cancel is a backstop.
-        timeout_graceful_shutdown=args.shutdown_grace_period + BACKSTOP_S,
-        http=protocol_with_header_timeout(args.timeout_header),
-        timeout_keep_alive=args.timeout_keep_alive,
-        h11_max_incomplete_event_size=args.max_header_bytes,
-    )
-    server = _Server(config, app.state.grace)
-    # uvicorn re-raises the signal it shut down for once it is done; with this handler in
-    # place that re-raise is a no-op, so a SIGTERM shutdown ends with exit code 0.
-    previous = signal.signal(signal.SIGTERM, _log_terminated)
-    try:
-        server.run()
+    try:  # from here every way out stops the engine core
+        name = served_name(args, async_engine.info.model)
+        metrics = Metrics(name, lambda: async_engine.snapshot)
+        app = build_app(async_engine, args, metrics)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_config=None,  # keep the process's logging setup (core's format and level)
+            log_level=args.uvicorn_log_level,
+            access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
+            # ShutdownGrace ends open requests at the grace period; uvicorn's cancel is a backstop.
+            timeout_graceful_shutdown=args.shutdown_grace_period + BACKSTOP_S,
+            http=protocol_with_header_timeout(args.timeout_header),
+            timeout_keep_alive=args.timeout_keep_alive,
+            h11_max_incomplete_event_size=args.max_header_bytes,
+        )
+        server = _Server(config, app.state.grace)
+        # uvicorn re-raises the signal it shut down for once it is done; with this handler in
+        # place that re-raise is a no-op, so a SIGTERM shutdown ends with exit code 0.
+        previous = signal.signal(signal.SIGTERM, _log_terminated)
+        try:
+            server.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         async_engine.shutdown(30.0)  # idempotent; also after the engine core died
     if not server.started:
         logger.error("the server did not start (is port %d on %s free?)", args.port, args.host)
@@ -295,10 +300,6 @@ class _Server(uvicorn.Server):
             self._grace.begin(asyncio.get_running_loop())
         except RuntimeError:  # no loop yet (a signal during start-up): nothing is open
             pass
-
-
-def _exit_on_signal(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _log_terminated(signum: int, frame) -> None:
