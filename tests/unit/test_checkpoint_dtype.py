@@ -21,7 +21,7 @@ def test_dtype_read_without_deprecation_warning(tmp_path, key):
               "vocab_size": 300, "hidden_size": 16, "intermediate_size": 32,
               "num_hidden_layers": 1, "num_attention_heads": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    code = ("from transformers import AutoConfig; from core.engine import _checkpoint_dtype; "
+    code = ("from transformers import AutoConfig; from core.engine_core.resolve import _checkpoint_dtype; "
             f"print(_checkpoint_dtype(AutoConfig.from_pretrained({str(tmp_path)!r})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
