@@ -263,10 +263,17 @@ class AsyncLLMEngine:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _send(self, command: Any) -> None:
+        """Queue ``command`` for the engine core, never blocking: a PUSH socket with no
+        connected peer (the core exited or is exiting) would block forever. Such a command
+        is dropped; the output thread's death detection then fails whoever waits on it."""
         data = self._enc.encode(command)
         with self._send_lock:
-            if not self._cmd.closed:
-                self._cmd.send(data)
+            if self._cmd.closed:
+                return
+            try:
+                self._cmd.send(data, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.debug("engine core not connected; dropped %s", type(command).__name__)
 
     # ---- public API (any thread / event loop) ---------------------------------------------
     async def add_request(

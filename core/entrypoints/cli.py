@@ -362,8 +362,8 @@ def _help_device_memory(argv: list[str], env: envs.Env) -> bool:
         name = argv[argv.index("--platform") + 1]
     try:
         caps = load_plugins(env.no_plugin_autoload, env.plugins).select(name).capabilities  # in force here
-    except Exception:
-        return True
+    except Exception:  # --help must work where no platform can be selected: show the flag;
+        return True     # running the command reports the selection error itself
     return Capability.DEVICE_MEMORY in caps
 
 

@@ -220,15 +220,17 @@ def test_back_pressure_refuses_beyond_max_waiting_requests(model_dir):
 
 # ---- a dead engine core -----------------------------------------------------------------------
 class _FailingExecutor:
-    """Delegates to the real executor; its fourth step raises like a lost device."""
+    """Delegates to the real executor; raises like a lost device on the third step that runs
+    three sequences, so the test's three consumers are all attached when it fails, however
+    fast the steps go (counting plain steps raced the test's sequential adds)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.steps = 0
 
     def execute(self, sched):
-        self.steps += 1
-        if self.steps > 3:
+        self.steps += len(sched.scheduled) >= 3
+        if self.steps >= 3:
             raise RuntimeError("device lost")
         return self.inner.execute(sched)
 
@@ -237,7 +239,7 @@ class _FailingExecutor:
 
 
 def failing_core(args: EngineArgs) -> EngineCore:
-    """An engine-core factory (runs in the child) whose executor fails on the fourth step."""
+    """An engine-core factory (runs in the child) whose executor fails once three requests run."""
     core = EngineCore.from_args(args)
     core.executor = _FailingExecutor(core.executor)
     return core
