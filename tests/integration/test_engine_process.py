@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from core.sampling_params import SamplingParams
-from tests.helpers import tiny_llama_dir
+from tests.helpers import tiny_llama_dir, wait_for_server
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,6 @@ MAX_MODEL_LEN = 256
 MODEL = "tiny"
 WAIT_S = 120.0
 """Bound on every wait for a request or a state (a loaded 2-core CI box)."""
-START_S = 600.0
-"""Bound on a server start: two interpreters, and maybe a CPU-kernel build that another
-checkout's build holds the lock of."""
 
 
 @dataclass
@@ -71,18 +68,8 @@ def _start(model_dir: Path, log: Path, *extra: str) -> Server:
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{server.log_text()[-3000:]}")
-        try:
-            if httpx2.get(server.url + "/health", timeout=1).status_code == 200:
-                return server
-        except httpx2.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"server not ready after {START_S}s:\n{server.log_text()[-3000:]}")
+    wait_for_server(proc, server.url, log)  # follows the log: a kernel build may be running
+    return server
 
 
 def _stop(server: Server) -> None:
