@@ -1,7 +1,7 @@
 """The decode-step GEMMs (M <= 16 rows) on a GPU: cuBLAS against split-K, as bandwidth.
 
     python -m platforms.cuda.small_gemm [--rows 1 2 4 8 16] [--splits 2 4 8]
-                                         [--dtype bfloat16] [--output-json PATH]
+                                         [--gemv-rows 1 2 4] [--dtype bfloat16] [--output-json PATH]
 
 At batch 1-16 a linear layer reads its whole weight for a handful of rows, so it is bound by
 memory bandwidth: the figure that matters is weight bytes / time against the device's copy
@@ -10,7 +10,10 @@ fused gate/up, down, LM head) it times:
 
 * ``cublas``: ``torch.nn.functional.linear`` (what the model runs today);
 * ``splitk-S``: the reduction dimension cut into ``S`` slices, one batched GEMM over the
-  slices (more CTAs for a skinny problem) and a sum over them, in plain torch.
+  slices (more CTAs for a skinny problem) and a sum over them, in plain torch;
+* ``gemv-R``: csrc/gemv.cu (``core_C.gemv``, M <= 8) with ``R`` output features per warp, and
+  ``gemv``: the same with the layer's default R (what :class:`platforms.cuda.gemv.CudaDenseLinear`
+  runs).
 
 Each variant is checked against the float64 product first. Timing: CUDA events around 48
 back-to-back calls after 10 warm-ups, median of 5 such runs. The calls cycle through copies
@@ -27,6 +30,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+from platforms.cuda.gemv import GEMV_MAX_ROWS, gemv
 
 # (name, in_features, out_features) of Llama-3-8B's linear layers.
 SHAPES = (
@@ -68,7 +73,7 @@ def check(name: str, got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
-def measure(rows: list[int], splits: list[int], dtype: torch.dtype) -> list[dict]:
+def measure(rows: list[int], splits: list[int], dtype: torch.dtype, gemv_rows: list[int]) -> list[dict]:
     dev = torch.device("cuda")
     results = []
     for name, k, n in SHAPES:
@@ -82,6 +87,10 @@ def measure(rows: list[int], splits: list[int], dtype: torch.dtype) -> list[dict
             for s in splits:
                 if k % s == 0:
                     variants[f"splitk-{s}"] = lambda w, x=x, s=s: split_k(x, w, s)
+            if m <= GEMV_MAX_ROWS:
+                variants["gemv"] = lambda w, x=x: gemv(x, w)
+                for r in gemv_rows:
+                    variants[f"gemv-{r}"] = lambda w, x=x, r=r: gemv(x, w, r)
             for variant, fn in variants.items():
                 check(f"{name} M={m} {variant}", fn(w), x, w)
                 ms = time_ms(fn, weights)
@@ -97,13 +106,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--gemv-rows", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--output-json", default=None)
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("small_gemm needs a CUDA device (run it on the GPU machine)")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    results = measure(ns.rows, ns.splits, getattr(torch, ns.dtype))
+    results = measure(ns.rows, ns.splits, getattr(torch, ns.dtype), ns.gemv_rows)
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=2)

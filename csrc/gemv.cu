@@ -1,0 +1,141 @@
+// Skinny GEMM for decode steps: out[m, n] = sum_k x[m, k] * w[n, k] for M <= 8
+// rows of x. At batch 1-8 a linear layer reads its whole weight for a handful of rows, so it is
+// bound by memory bandwidth, and cuBLAS's tiles (built for large M) leave a third of the H200's
+// bandwidth unused on the narrow projections (Llama-3-8B's fused QKV: 3.3 TB/s, the output
+// projection: 2.7 TB/s; docs/benchmarks/cuda_gemv.md).
+//
+// Layout: one warp owns kRows consecutive output features. Its lanes stream those weight rows
+// in 16-byte vectors (kUnroll vectors per row in flight per lane, so enough bytes are
+// outstanding per SM to cover HBM latency) and multiply them by the same 8 elements of every
+// row of x, read through the read-only cache (x is a few KiB, shared by every warp). Each lane
+// accumulates kRows x M float32 partial sums; a butterfly over the warp finishes them, and lane
+// 0 writes the outputs, rounded once to the storage dtype. Float32 accumulation in a
+// different order from cuBLAS: results agree to rounding, not bit for bit.
+#include "cuda_compat.h"
+#include "dtype_traits.cuh"
+#include "gemv.h"
+
+namespace core_kernels {
+namespace {
+
+constexpr int kWarps = 4;  // per CTA
+constexpr int kUnroll = 2;
+
+template <typename T>
+__device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+template <typename T, int M, int kRows>
+__global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a) {
+  using S = typename T::Storage;
+  constexpr int V = T::kVec;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
+  const int n0 = warp * kRows;
+  if (n0 >= a.n) return;  // whole warps only: the shuffles below need every lane
+  const S* w = static_cast<const S*>(a.w);
+  const S* x = static_cast<const S*>(a.x);
+  int rows[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) rows[r] = min(n0 + r, a.n - 1);  // tail rows recompute n-1
+
+  float acc[kRows][M];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+
+  constexpr int kStep = kWarpSize * V;  // elements one pass of the warp covers
+  for (int k0 = lane * V; k0 < a.k; k0 += kStep * kUnroll) {
+    uint4 wv[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kStep;
+      const int kk = k < a.k ? k : 0;  // past the end: a harmless load, its sums skipped
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) wv[u][r] = load_ro<T>(w + int64_t(rows[r]) * a.w_stride + kk);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kStep;
+      if (k >= a.k) continue;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float xf[V];
+        T::to_float(load_ro<T>(x + int64_t(m) * a.x_stride + k), xf);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          float wf[V];
+          T::to_float(wv[u][r], wf);
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[r][m] = fmaf(xf[i], wf[i], acc[r][m]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int s = kWarpSize / 2; s > 0; s /= 2) acc[r][m] += warp_shfl_xor(acc[r][m], s);
+
+  if (lane != 0) return;
+  S* out = static_cast<S*>(a.out);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int n = n0 + r;
+    if (n >= a.n) break;
+#pragma unroll
+    for (int m = 0; m < M; ++m) out[int64_t(m) * a.out_stride + n] = T::from_float(acc[r][m]);
+  }
+}
+
+template <typename T, int M, int kRows>
+cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
+  const int warps = (a.n + kRows - 1) / kRows;
+  const int blocks = (warps + kWarps - 1) / kWarps;
+  gemv_kernel<T, M, kRows><<<blocks, kWarps * kWarpSize, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int kRows>
+cudaError_t dispatch_m(const GemvArgs& a, cudaStream_t stream) {
+  switch (a.m) {
+    case 1: return launch<T, 1, kRows>(a, stream);
+    case 2: return launch<T, 2, kRows>(a, stream);
+    case 3: return launch<T, 3, kRows>(a, stream);
+    case 4: return launch<T, 4, kRows>(a, stream);
+    case 5: return launch<T, 5, kRows>(a, stream);
+    case 6: return launch<T, 6, kRows>(a, stream);
+    case 7: return launch<T, 7, kRows>(a, stream);
+    case 8: return launch<T, 8, kRows>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_rows(const GemvArgs& a, cudaStream_t stream) {
+  switch (a.rows_per_warp) {
+    case 1: return dispatch_m<T, 1>(a, stream);
+    case 2: return dispatch_m<T, 2>(a, stream);
+    case 4: return dispatch_m<T, 4>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t gemv(const GemvArgs& a, cudaStream_t stream) {
+  if (a.m < 1 || a.m > kGemvMaxRows || a.n < 1 || a.k < 1) return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case DType::kFloat16: return dispatch_rows<Fp16>(a, stream);
+    case DType::kBFloat16: return dispatch_rows<Bf16>(a, stream);
+    case DType::kFloat32: return dispatch_rows<Fp32>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace core_kernels

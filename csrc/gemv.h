@@ -1,0 +1,28 @@
+// Host entry point of the skinny decode GEMM (csrc/gemv.cu): plain C++ over raw pointers,
+// like launchers.h.
+#pragma once
+
+#include <cstdint>
+
+#include "launchers.h"
+
+namespace core_kernels {
+
+constexpr int kGemvMaxRows = 8;
+
+// out[m, n] = sum_k x[m, k] * w[n, k], float32 accumulation, one rounding to dtype.
+// x: [m, k], w: [n, k], out: [m, n]; last dims contiguous, row strides in elements; x and w
+// rows 16-byte aligned and k a multiple of 16 / sizeof(element). 1 <= m <= kGemvMaxRows;
+// rows_per_warp in {1, 2, 4} (output features per warp: more rows, fewer and longer warps).
+struct GemvArgs {
+  void* out;
+  const void* x;
+  const void* w;
+  int64_t out_stride, x_stride, w_stride;
+  int m, n, k;
+  int rows_per_warp;
+  DType dtype;
+};
+cudaError_t gemv(const GemvArgs& args, cudaStream_t stream);
+
+}  // namespace core_kernels

@@ -1,0 +1,97 @@
+// Torch registration of the skinny decode GEMM (csrc/gemv.cu). Like the other core_C ops it
+// writes into a tensor the caller allocates and returns nothing, so it captures in CUDA graphs.
+// platforms/cuda/gemv.py decides when to call it (few rows, aligned layouts) and falls back to
+// torch's linear otherwise.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+
+#include "gemv.h"
+
+namespace {
+
+using core_kernels::DType;
+
+std::string dims(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
+DType gemv_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "core_C.gemv: dtype " + std::string(c10::toString(t.scalar_type())) +
+                         " is not supported; use float16, bfloat16 or float32");
+  return DType::kFloat32;
+}
+
+void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what, bool vector_rows) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device() && t.scalar_type() == like.scalar_type(),
+              std::string("core_C.gemv: ") + what + " must be a CUDA tensor of x's dtype on its device");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1,
+              std::string("core_C.gemv: ") + what + " " + dims(t) + " must be 2-D with a contiguous last dim");
+  if (vector_rows) {
+    const int64_t vec = 16 / t.element_size();
+    TORCH_CHECK(t.stride(0) % vec == 0 && t.size(1) % vec == 0 &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                std::string("core_C.gemv: ") + what + " " + dims(t) +
+                    " needs 16-byte aligned rows whose length is a multiple of " +
+                    std::to_string(vec) + " elements");
+  }
+}
+
+void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp) {
+  check_rows(x, x, "x", true);
+  check_rows(weight, x, "weight", true);
+  check_rows(out, x, "out", false);
+  TORCH_CHECK(x.size(1) == weight.size(1) && out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "core_C.gemv: shapes do not match: x " + dims(x) + ", weight " + dims(weight) +
+                  ", out " + dims(out) + " (want out [m, n] for x [m, k] and weight [n, k])");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= core_kernels::kGemvMaxRows,
+              "core_C.gemv: x has " + std::to_string(x.size(0)) + " rows; the kernel takes 1 to " +
+                  std::to_string(core_kernels::kGemvMaxRows) + " (use torch's linear above that)");
+  TORCH_CHECK(rows_per_warp == 1 || rows_per_warp == 2 || rows_per_warp == 4,
+              "core_C.gemv: rows_per_warp " + std::to_string(rows_per_warp) + " must be 1, 2 or 4");
+  const c10::cuda::CUDAGuard guard(x.device());
+  core_kernels::GemvArgs a{};
+  a.out = out.data_ptr();
+  a.x = x.data_ptr();
+  a.w = weight.data_ptr();
+  a.out_stride = out.stride(0);
+  a.x_stride = x.stride(0);
+  a.w_stride = weight.stride(0);
+  a.m = static_cast<int>(x.size(0));
+  a.n = static_cast<int>(weight.size(0));
+  a.k = static_cast<int>(x.size(1));
+  a.rows_per_warp = static_cast<int>(rows_per_warp);
+  a.dtype = gemv_dtype(x);
+  const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv failed: ") + cudaGetErrorString(err));
+}
+
+void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t) {
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && weight.dim() == 2, "gemv: expected 2-d out, x, weight");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(core_C, m) {
+  m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, int rows_per_warp) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(core_C, CUDA, m) { m.impl("gemv", &gemv); }
+
+TORCH_LIBRARY_IMPL(core_C, Meta, m) { m.impl("gemv", &gemv_meta); }
