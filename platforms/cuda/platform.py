@@ -116,14 +116,6 @@ class CudaPlatform(Platform):
 
         return cuda_ops()
 
-    def linear_method(self, weight_format: str) -> Any:
-        """Dense weights, with decode-sized inputs on csrc/gemv.cu (platforms/cuda/gemv.py)."""
-        if weight_format != "dense":
-            return super().linear_method(weight_format)
-        from platforms.cuda.gemv import CUDA_DENSE
-
-        return CUDA_DENSE
-
     def distributed_backend(self) -> str:
         return "nccl"
 

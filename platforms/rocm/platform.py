@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from core.platform import Platform, ProbeResult
+from core.platform import ProbeResult
 from platforms.cuda.platform import CudaPlatform
 from platforms.rocm.attention import RocmPagedAttention
 from platforms.rocm.build import WAVE64_ARCH_PREFIX, kernels_status, load_ops
@@ -144,11 +144,6 @@ class RocmPlatform(CudaPlatform):
         """None: the fused element-wise kernels load through the CUDA build, and their
         hipified twins have never run, so ROCm keeps core's torch ops."""
         return {}
-
-    def linear_method(self, weight_format: str) -> Any:
-        """core's torch linear layers: csrc/gemv.cu loads through the CUDA build, and its
-        hipified twin has never run."""
-        return Platform.linear_method(self, weight_format)
 
     def distributed_backend(self) -> str:
         return "nccl"  # RCCL, under torch's nccl name on ROCm builds

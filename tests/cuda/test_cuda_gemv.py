@@ -1,5 +1,5 @@
-"""csrc/gemv.cu (the decode-sized dense GEMM) against a float64 product on fresh random inputs,
-and the CUDA dense linear method that routes to it.
+"""csrc/gemv.cu (the decode-sized dense GEMM, a benchmark candidate: docs/benchmarks/cuda_gemv.md)
+against a float64 product on fresh random inputs.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda_gemv.py``.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = [
     pytest.mark.cuda,
@@ -63,25 +62,3 @@ def test_gemv_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="multiple of 4"):
         ops.gemv(torch.empty(1, 32, device="cuda"), torch.randn(1, 62, device="cuda"),
                  torch.randn(32, 62, device="cuda"), 1)
-
-
-def test_dense_linear_routes_small_batches_and_keeps_the_contract():
-    from platforms.cuda.gemv import CUDA_DENSE
-
-    torch.manual_seed(3)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(384, 256, device="cuda").bfloat16())
-    bias = torch.randn(384, device="cuda").bfloat16()
-    for shape in ((1, 256), (2, 256), (1, 2, 256), (3, 256), (40, 256)):  # kernel x3, cuBLAS x2
-        x = torch.randn(*shape, device="cuda").bfloat16()
-        got = CUDA_DENSE.apply(layer, x, bias)
-        want = F.linear(x.double(), layer.weight.double(), bias.double())
-        assert got.shape == want.shape and got.dtype == x.dtype
-        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-2)
-
-
-def test_cuda_platform_uses_it_for_dense_weights():
-    from platforms.cuda.gemv import CUDA_DENSE
-    from platforms.cuda.platform import CudaPlatform
-
-    assert CudaPlatform().linear_method("dense") is CUDA_DENSE
