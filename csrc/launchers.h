@@ -45,6 +45,7 @@ struct DecodeArgs {
   int max_parts;       // v2: partitions of the longest sequence (grid size)
   int sliding_window;  // 0: none; else attend to the last `sliding_window` tokens
   float scale;         // softmax scale applied to q.k
+  float soft_cap;      // 0: none; else scaled scores s become soft_cap * tanh(s / soft_cap)
   DType dtype;
 };
 

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
   for (int i = 0; i < Sh::kStages - 1; ++i) issue(i);
 
   float q[kGroup][Sh::kDimsPerLane];
-  convert_query<Sh, DT, kGroup>(q_raw, a.scale, q);
+  convert_query<Sh, DT, kGroup>(q_raw, a.scale, a.soft_cap, q);
   LaneState<Sh, kGroup> st;
   st.init();
   for (int i = 0; i < n_mine; ++i) {
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
     async_copy_wait<Sh::kStages - 1>();  // unit i's group is complete
     warp_sync();                         // ... and visible to every lane
     attend_unit<Sh, DT, kGroup>(ring + (i % Sh::kStages) * Sh::kUnitChunks, unit_token(i), lo, end,
-                                row_group, lane_in_row, q, st);
+                                row_group, lane_in_row, q, a.soft_cap, st);
     warp_sync();  // every lane is done with this stage before it is refilled
   }
   allow_dependent_launch();  // the v2 reduce kernel may be scheduled from here on
