@@ -103,7 +103,12 @@ def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, case):
     """fp32: greedy tokens identical to HF's through batching, CUDA graphs (the default), and
     a small cache with a 7-token step budget (chunked prefills, preemptions)."""
     from core import LLM
-    from tests.integration.test_engine_hf import assert_all_blocks_free, hf_greedy, random_prompts, run
+    from tests.integration.test_engine_hf import (
+        assert_all_blocks_free,
+        hf_greedy,
+        random_prompts,
+        run,
+    )
     from tests.integration.test_models_hf import VOCAB, tiny_dir
 
     # head size 64: the CUDA kernels support 64 and 128, not the CPU cases' 16
