@@ -45,7 +45,8 @@ run() { if [ -z "$SELECTED" ] || [[ " $SELECTED " == *" $1 "* ]]; then step "$@"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv >"$RES/gpu.txt" 2>&1
 run build 300 python3 -c "from platforms.cuda.build import load_ops; load_ops()"
 run test_moe 200 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_moe.py
-run test_gemma 200 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_gemma.py
+run test_gemma 240 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_gemma.py \
+  tests/cuda/test_cuda_fallback.py
 run bench_op 120 python3 -m core.benchmarks.fused_moe --platform cuda --json "$RES/fused_moe.json"
 for shape in qwen3-30b-a3b mixtral-8x7b; do
   M=/tmp/$shape
