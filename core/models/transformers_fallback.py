@@ -116,7 +116,7 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, scalin
     ``(output [1, T, H, D], None)``. The mask is ignored: transformers builds none for it."""
     discovery = getattr(module, "_core_discovery", None)
     if discovery is not None:
-        return _record(discovery, module, query, key, value, scaling, kwargs)
+        return _record(discovery, module, query, key, value, attention_mask, scaling, kwargs)
     layer = getattr(module, "_core_paged", None)
     if layer is None:
         raise RuntimeError(
@@ -126,13 +126,23 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, scalin
     return layer.attend(query, key, value, scaling, kwargs), None
 
 
-def _record(found: list, module, query, key, value, scaling, kwargs):
-    """Start-up dry run: note what this attention call needs (see _discover_attention)."""
+def _record(found: list, module, query, key, value, attention_mask, scaling, kwargs):
+    """Start-up dry run: note what this attention call needs (see _discover_attention), and
+    refuse what core's causal paged attention cannot reproduce."""
+    name = type(module).__name__
+    problem = None
     if value.shape[-1] != query.shape[-1]:
-        raise ValueError(
-            f"{type(module).__name__}: value head size {value.shape[-1]} differs from the "
-            f"query/key head size {query.shape[-1]}; core's KV cache needs one head size"
-        )
+        problem = (f"its value head size {value.shape[-1]} differs from the query/key head size "
+                   f"{query.shape[-1]} (core's KV cache has one head size)")
+    elif attention_mask is not None:
+        problem = "it builds its own attention mask (an ALiBi bias, a bidirectional prefix...)"
+    elif not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        problem = "its attention is not causal"
+    elif kwargs.get("s_aux") is not None:
+        problem = "it uses attention sinks (s_aux)"
+    if problem is not None:
+        raise ValueError(f"{name} cannot run on core's paged attention through the "
+                         f"transformers fallback: {problem}")
     found.append((module, dict(
         num_heads=query.shape[1], num_kv_heads=key.shape[1], head_size=query.shape[-1],
         scale=scaling, sliding_window=kwargs.get("sliding_window") or None,

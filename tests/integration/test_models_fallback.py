@@ -145,3 +145,23 @@ def test_core_platforms_labels_the_fallback_slower(capsys):
     cli.cmd_platforms(argparse.Namespace(platform=None))
     out = " ".join(capsys.readouterr().out.split())
     assert "any other transformers causal LM runs through the transformers fallback (slower" in out
+
+
+@pytest.mark.parametrize("call,why", [
+    (dict(attention_mask=torch.zeros(1, 1, 3, 3)), "builds its own attention mask"),
+    (dict(is_causal=False), "its attention is not causal"),
+    (dict(s_aux=torch.zeros(4)), "attention sinks"),
+    (dict(value=torch.zeros(1, 2, 3, 8)), "value head size 8 differs from the query/key head size 16"),
+])
+def test_the_dry_run_refuses_attention_core_cannot_reproduce(call, why):
+    from core.models.transformers_fallback import paged_attention
+
+    module = torch.nn.Linear(1, 1)
+    module._core_discovery = []
+    args = dict(query=torch.zeros(1, 4, 3, 16), key=torch.zeros(1, 2, 3, 16),
+                value=torch.zeros(1, 2, 3, 16), attention_mask=None)
+    args.update(call)
+    with pytest.raises(ValueError, match=f"Linear cannot run on core's paged attention through "
+                                         f"the transformers fallback: .*{why}"):
+        paged_attention(module, **args)
+    assert module._core_discovery == []
