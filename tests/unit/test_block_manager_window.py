@@ -185,3 +185,17 @@ def test_without_a_window_swap_in_and_append_is_the_whole_table():
     bm.swap_out(1)
     assert bm.num_blocks_to_swap_in_and_append(1, 11) == 3
     assert bm.num_blocks_to_swap_in_and_append(1, 13) == 4
+
+
+def test_kv_plan_under_a_window_needs_window_plus_one_step():
+    from core.kv_plan import plan_kv_cache
+
+    # (16 - 1) + (256 - 1) + 512 positions from a block's last offset: ceil(782 / 16) = 49
+    kw = dict(budget_bytes=0, bytes_per_block=1024, block_size=16, max_model_len=4096)
+    plan = plan_kv_cache(**kw, num_blocks_override=50, sliding_window=256, max_step_tokens=512)
+    assert plan.blocks_per_max_len_seq == 49 and plan.max_concurrent_at_max_len == 1
+    assert "sliding window 256: such a sequence holds at most 49 blocks" in plan.describe()
+    with pytest.raises(ValueError, match="needs 256 blocks of 16 tokens"):
+        plan_kv_cache(**kw, num_blocks_override=50)  # no window: the whole 4096 tokens
+    with pytest.raises(ValueError, match="needs 49 blocks .* or lower --max-num-batched-tokens"):
+        plan_kv_cache(**kw, num_blocks_override=49, sliding_window=256, max_step_tokens=512)
