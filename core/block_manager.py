@@ -302,7 +302,8 @@ class BlockManager:
         A block in the written range that other tables share is replaced by a fresh copy.
 
         :return: ``(src, dst)`` copy-on-write pairs the runner must copy before the forward.
-        :raises NoFreeBlocksError: if the free pool is short; nothing is changed then.
+        :raises NoFreeBlocksError: if the free pool is short; nothing is changed then, except
+            that blocks which slid out of the window are released (no position reads them).
         """
         self._drop_slid_out(seq_id, num_computed)
         need = self.num_blocks_to_append(seq_id, num_computed, num_tokens)
