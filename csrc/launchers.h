@@ -50,7 +50,8 @@ struct DecodeArgs {
 };
 
 // Launches v1 (args.partition == 0) or v2 (split-KV kernel + reduce kernel). Returns the
-// launch error, if any. Requires head_size in {64, 128}, block_size a power of two >= 16,
+// launch error, if any. Requires head_size in {64, 128} (or 256 in fp16/bf16; on ROCm with
+// query groups of at most 4), block_size a power of two >= 16,
 // 16-byte aligned rows, and num_q_heads % num_kv_heads == 0.
 cudaError_t paged_decode(const DecodeArgs& args, cudaStream_t stream);
 

@@ -143,9 +143,16 @@ void check_decode_inputs(const at::Tensor& out, const at::Tensor& query, const a
               msg("query dtype ", query.scalar_type(), " differs from the cache dtype ",
                   kv_cache.scalar_type()));
   const int64_t head = kv_cache.size(4);
-  TORCH_CHECK(query.size(2) == head && (head == 64 || head == 128),
+  TORCH_CHECK(query.size(2) == head && (head == 64 || head == 128 || head == 256),
               msg("head size ", query.size(2), " (cache: ", head,
-                  ") is not supported; the kernels take 64 or 128"));
+                  ") is not supported; the kernels take 64, 128 or 256"));
+  TORCH_CHECK(head != 256 || query.scalar_type() != at::kFloat,
+              "head size 256 is supported in bfloat16 and float16 only, not float32");
+#ifdef USE_ROCM
+  TORCH_CHECK(head != 256 || query.size(1) / kv_cache.size(2) <= 4,
+              msg("head size 256 on ROCm takes query groups of at most 4; got ",
+                  query.size(1) / kv_cache.size(2), " query heads per kv head"));
+#endif
   TORCH_CHECK(
       query.size(1) % kv_cache.size(2) == 0,
       msg(query.size(1), " query heads are not a multiple of ", kv_cache.size(2), " kv heads"));

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from platforms.cuda.build import load_ops
 
-SUPPORTED_HEAD_SIZES = (64, 128)
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+"""256 (Gemma 2/3) in bfloat16/float16 only (see csrc/attention/paged_decode_kernel.cuh)."""
 SUPPORTED_BLOCK_SIZES = (16, 32)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -257,6 +258,8 @@ def _check_spec(spec: AttentionSpec) -> None:
     problems = []
     if spec.head_size not in SUPPORTED_HEAD_SIZES:
         problems.append(f"head size {spec.head_size} (supported: {SUPPORTED_HEAD_SIZES})")
+    elif spec.head_size == 256 and spec.dtype == torch.float32:
+        problems.append("head size 256 in float32 (256 is supported in bfloat16 and float16)")
     if spec.block_size not in SUPPORTED_BLOCK_SIZES:
         problems.append(f"block size {spec.block_size} (supported: {SUPPORTED_BLOCK_SIZES})")
     if spec.dtype not in SUPPORTED_DTYPES:

@@ -36,7 +36,8 @@ def ops():
 
 
 def decode(ops, dtype, head, group, partition, cap, window=None, scale=None, seed=0):
-    """(kernel output, capped reference, uncapped reference) for one decode batch."""
+    """(kernel output, reference with ``cap`` (None: none), uncapped reference) for one
+    decode batch."""
     gen = torch.Generator().manual_seed(seed)
     hkv, bs = 2, 16
     cache = poisoned_cache(sum(-(-n // bs) for n in LENS) + 7, bs, hkv, head, dtype)
@@ -46,7 +47,7 @@ def decode(ops, dtype, head, group, partition, cap, window=None, scale=None, see
     lens = torch.tensor(LENS, dtype=torch.int32, device="cuda")
     scale = scale if scale is not None else head**-0.5
     ops.paged_decode(out, query.cuda(), cache, paged.block_tables, lens, scale, max(LENS),
-                     partition, window or 0, cap)
+                     partition, window or 0, cap or 0.0)
     torch.cuda.synchronize()
     ones = [1] * len(LENS)
     ref = reference_attention(query, paged.keys, paged.values, ones, scale, window, cap)
@@ -63,6 +64,30 @@ def test_decode_soft_cap_matches_reference(ops, dtype, head, group, partition):
     assert torch.isfinite(out).all()
     assert rel_error(out, ref) < TOLERANCE[dtype]
     assert rel_error(plain, ref) > 10 * TOLERANCE[dtype], "cap too high to test anything"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("partition", [0, 64], ids=["v1", "v2"])
+@pytest.mark.parametrize("cap", [None, 1.0])
+def test_decode_head_size_256(ops, dtype, group, partition, cap):
+    """Gemma 2/3's head size (256), 16-bit only, with and without the soft cap."""
+    out, ref, _ = decode(ops, dtype, 256, group, partition, cap=cap, seed=group)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_head_size_256_in_float32_is_refused(ops):
+    from platforms.cuda.attention import CudaPagedAttention
+
+    cache = poisoned_cache(4, 16, 2, 256, torch.float32)
+    q = torch.zeros(1, 2, 256, device="cuda")
+    bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="head size 256 is supported in bfloat16 and float16 only"):
+        ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 1, 0, 0)
+    with pytest.raises(ValueError, match="head size 256 in float32"):
+        CudaPagedAttention(AttentionSpec(2, 2, 256, torch.float32, 16))
 
 
 @pytest.mark.parametrize("partition", [0, 64], ids=["v1", "v2"])
@@ -84,17 +109,20 @@ def test_negative_soft_cap_is_refused(ops):
 
 @pytest.mark.parametrize("batch", ["prefill", "chunked_prefill", "decode", "mixed"])
 @pytest.mark.parametrize("window", [None, 24])
-def test_backend_forward_soft_capped(batch, window):
-    """Prompts (soft_capped_attention), chunks over cached context and decode rows in one batch."""
+@pytest.mark.parametrize("dtype,head,cap", [(torch.float32, 128, 1.5), (torch.bfloat16, 256, 1.5),
+                                            (torch.bfloat16, 256, None)])
+def test_backend_forward_gemma_layers(batch, window, dtype, head, cap):
+    """Prompts (soft_capped_attention when capped, else SDPA), chunks over cached context and
+    decode rows in one batch, at Gemma's scale, windows and head size 256."""
     from platforms.cuda.attention import CudaPagedAttention
     from tests.cuda.test_cuda_backend import BATCHES, build_batch
 
-    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.float32,
-                         block_size=16, scale=0.07, sliding_window=window, logits_soft_cap=1.5)
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=head, dtype=dtype,
+                         block_size=16, scale=0.07, sliding_window=window, logits_soft_cap=cap)
     query, key, value, cache, md, ref = build_batch(spec, BATCHES[batch], torch.Generator().manual_seed(9))
     out = CudaPagedAttention(spec).forward(query, key, value, cache, md)
     assert torch.isfinite(out).all()
-    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    assert rel_error(out, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("case", ["gemma2-capped", "gemma2-mqa-uncapped", "gemma3-local-global",
@@ -126,15 +154,17 @@ def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["gemma2-capped", "gemma3-local-global"])
-def test_gemma_bf16_agreement_with_transformers_fp32(tmp_path, case):
+@pytest.mark.parametrize("head", [64, 256])
+def test_gemma_bf16_agreement_with_transformers_fp32(tmp_path, case, head):
     """bf16 on CUDA vs HF fp32: the common greedy prefix per prompt is measured and printed
     (after a first flipped near-tie the runs part); the first token, decided by a prefill
-    with logits spread wide (init 0.2), must agree for at least half of the prompts."""
+    with logits spread wide (init 0.2), must agree for at least half of the prompts. Head
+    size 256 is the released Gemma models' (bf16/fp16 only on CUDA)."""
     from core import LLM
     from tests.integration.test_engine_hf import hf_greedy, random_prompts, run
     from tests.integration.test_models_hf import VOCAB, tiny_dir
 
-    path = tiny_dir(tmp_path, case, hidden_size=256, head_dim=64, query_pre_attn_scalar=48)
+    path = tiny_dir(tmp_path, case, hidden_size=256, head_dim=head, query_pre_attn_scalar=head)
     prompts = random_prompts(6, VOCAB, seed=5, lo=5, hi=50)
     expected = hf_greedy(path, prompts, 16)
     got = run(LLM(model=str(path), platform="cuda", dtype="bfloat16", block_size=16), prompts, max_new=16)
@@ -144,5 +174,5 @@ def test_gemma_bf16_agreement_with_transformers_fp32(tmp_path, case):
         while n < len(g) and g[n] == e[n]:
             n += 1
         prefixes.append(n)
-    print(f"{case} bf16 vs HF fp32: common greedy prefix per prompt {prefixes} of 16")
+    print(f"{case} head {head} bf16 vs HF fp32: common greedy prefix per prompt {prefixes} of 16")
     assert sum(p > 0 for p in prefixes) >= len(prompts) // 2
