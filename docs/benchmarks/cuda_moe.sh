@@ -4,7 +4,7 @@
 # (random weights, bf16, all layers). From the repository root, nothing installed:
 #   OUT=/tmp/out bash docs/benchmarks/cuda_moe.sh [step ...]     (default: every step)
 # Logs and JSON land in $OUT/res; the per-step summary is printed last. Steps: build,
-# test_moe, test_gemma, bench_op (every shape) or bench_op_<shape>, latency_<shape>,
+# test_moe, test_gemma, test_attention, bench_op (every shape) or bench_op_<shape>, latency_<shape>,
 # thr_<shape> with <shape> qwen3-30b-a3b or mixtral-8x7b. The Mixtral-8x7B shape alone, in
 # one 10-minute device command (weights 87 GiB of the H200's 139 GiB; ~35 GiB KV at 0.9):
 #   OUT=$OUT/x DEADLINE=580 bash docs/benchmarks/cuda_moe.sh build bench_op_mixtral-8x7b \
@@ -47,6 +47,9 @@ run build 300 python3 -c "from platforms.cuda.build import load_ops; load_ops()"
 run test_moe 200 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_moe.py
 run test_gemma 240 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_gemma.py \
   tests/cuda/test_cuda_fallback.py
+# the attention op's other callers after its soft-cap argument and head size 256
+run test_attention 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_paged_decode.py \
+  tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_graphs_compile.py tests/cuda/test_cuda_engine_graphs.py
 run bench_op 120 python3 -m core.benchmarks.fused_moe --platform cuda --json "$RES/fused_moe.json"
 for shape in qwen3-30b-a3b mixtral-8x7b; do
   M=/tmp/$shape
