@@ -165,3 +165,23 @@ def test_the_dry_run_refuses_attention_core_cannot_reproduce(call, why):
                                          f"the transformers fallback: .*{why}"):
         paged_attention(module, **args)
     assert module._core_discovery == []
+
+
+def test_prefix_cache_hits_and_n_samples_through_the_fallback(tmp_path):
+    """Prompts sharing a 48-token prefix (the later ones hit the prefix cache) and n=2
+    greedy samples (forked block tables): every sample equals HF's greedy run."""
+    from core import SamplingParams
+
+    path = fallback_dir(tmp_path, "stablelm-gqa-partial-rotary")
+    shared = random_prompts(1, VOCAB, seed=11, lo=48, hi=48)[0]
+    prompts = [shared + tail for tail in random_prompts(3, VOCAB, seed=12, lo=3, hi=9)]
+    expected = hf_greedy(path, prompts, 8)
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, enable_prefix_caching=True)
+    outs = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert list(outs[0].outputs[0].token_ids) == expected[0]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
+    outs = llm.generate(prompts[1:], sp, use_tqdm=False)
+    for out, want in zip(outs, expected[1:]):
+        assert [list(s.token_ids) for s in out.outputs] == [want, want]
+    assert llm.engine.block_manager.prefix_cache_hits >= 2 * 48
+    assert_all_blocks_free(llm)
