@@ -25,7 +25,11 @@ runner. Its vocabulary:
   attends within that window): a block whose positions all lie before the window of the
   sequence's next token is never read again, so :meth:`append_slots` releases it and its
   table entry becomes the null block (``DROPPED`` in a host table). A long sequence then
-  holds about ``window / block_size + 1`` blocks plus the step's new tokens.
+  holds about ``window / block_size + 1`` blocks plus the step's new tokens
+  (:func:`window_blocks_bound`), and admission counts only those: prefix-cache hits that lie
+  before the window are not revived, and a swap-in needs only the live blocks. Models that
+  mix windowed and full-attention layers (Gemma 2/3) get no window here: their full layers
+  read every block, and all layers share one block table.
 
 Every block except the null block is at any time either free (in exactly one of the two
 free pools) or referenced by at least one block table, never both; see
@@ -52,6 +56,21 @@ class NoFreeBlocksError(RuntimeError):
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Number of blocks needed to hold ``num_tokens`` positions."""
     return -(-num_tokens // block_size)
+
+
+def window_blocks_bound(num_tokens: int, block_size: int, window: int | None, step_tokens: int) -> int:
+    """Most blocks one sequence of up to ``num_tokens`` positions holds at once when it is
+    computed at most ``step_tokens`` positions a step and blocks that slid out of ``window``
+    are released (None: no window, every block is held).
+
+    A step over ``[n, n + k)`` needs positions from ``n - window + 1`` on, so it holds the
+    blocks of at most ``block_size - 1 + window - 1 + k`` positions (the first one may start
+    mid-block).
+    """
+    full = blocks_for(num_tokens, block_size)
+    if window is None:
+        return full
+    return min(full, blocks_for(block_size + window - 2 + max(1, step_tokens), block_size))
 
 
 def _chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -204,10 +223,23 @@ class BlockManager:
 
     def num_blocks_to_allocate(self, token_ids: Sequence[int], num_tokens: int) -> int:
         """Free blocks :meth:`allocate` with these arguments would consume: fresh blocks
-        plus cached blocks that must be taken back out of the free pool."""
+        plus cached blocks that must be taken back out of the free pool (under a sliding
+        window only those the next position still attends to)."""
         match = self._match(token_ids)[: num_tokens // self.block_size]
-        revived = sum(1 for _, b in match if self._ref[b] == 0)
+        live = match[self._first_live(len(match) * self.block_size) :]
+        revived = sum(1 for _, b in live if self._ref[b] == 0)
         return revived + self.blocks_for(num_tokens) - len(match)
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """Most blocks a sequence of up to ``num_tokens`` positions, computed at most
+        ``step_tokens`` a step, holds at once (see :func:`window_blocks_bound`)."""
+        return window_blocks_bound(num_tokens, self.block_size, self.sliding_window, step_tokens)
+
+    def _first_live(self, num_computed: int) -> int:
+        """Index of the first block the position ``num_computed`` still attends to."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     # ------------------------------------------------------------- allocation
 
@@ -228,8 +260,12 @@ class BlockManager:
         need = self.num_blocks_to_allocate(token_ids, num_tokens)
         self._check_free(need, f"allocating {num_tokens} tokens for sequence {seq_id}")
         match = self._match(token_ids)[: num_tokens // self.block_size]
-        table: list[int] = []
-        for _, block in match:
+        cached = len(match) * self.block_size
+        # Hit blocks already outside the window of the first position to compute are never
+        # read: the table starts with null entries there instead of reviving them.
+        first_live = self._first_live(cached)
+        table: list[int] = [NULL_BLOCK] * first_live
+        for _, block in match[first_live:]:
             if self._ref[block] == 0:
                 del self._evictable[block]
             self._ref[block] += 1
@@ -237,8 +273,9 @@ class BlockManager:
         while len(table) < self.blocks_for(num_tokens):
             table.append(self._take_fresh())
         self._tables[seq_id] = table
+        if first_live:
+            self._dropped[seq_id] = first_live
         self._seq_hashes[seq_id] = [h for h, _ in match]
-        cached = len(match) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += cached
@@ -265,7 +302,8 @@ class BlockManager:
         A block in the written range that other tables share is replaced by a fresh copy.
 
         :return: ``(src, dst)`` copy-on-write pairs the runner must copy before the forward.
-        :raises NoFreeBlocksError: if the free pool is short; nothing is changed then.
+        :raises NoFreeBlocksError: if the free pool is short; nothing is changed then, except
+            that blocks which slid out of the window are released (no position reads them).
         """
         self._drop_slid_out(seq_id, num_computed)
         need = self.num_blocks_to_append(seq_id, num_computed, num_tokens)
@@ -290,7 +328,7 @@ class BlockManager:
         if self.sliding_window is None:
             return
         table = self._tables[seq_id]
-        first_live = min(len(table), max(0, num_computed - self.sliding_window + 1) // self.block_size)
+        first_live = min(len(table), self._first_live(num_computed))
         for i in range(self._dropped.get(seq_id, 0), first_live):
             if table[i] != NULL_BLOCK:
                 self._release(table[i])
@@ -377,6 +415,13 @@ class BlockManager:
 
     def num_blocks_to_swap_in(self, seq_id: int) -> int:
         return sum(1 for b in self._host_tables[seq_id] if b != DROPPED)
+
+    def num_blocks_to_swap_in_and_append(self, seq_id: int, num_tokens: int) -> int:
+        """Free blocks a swap-in followed by ``append_slots`` up to ``num_tokens`` positions
+        consumes: the live host blocks plus the blocks past the end of the table (entries
+        that slid out of the window cost nothing)."""
+        host = self._host_tables[seq_id]
+        return self.num_blocks_to_swap_in(seq_id) + max(0, self.blocks_for(num_tokens) - len(host))
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Bring a swapped sequence back into fresh device blocks; host blocks are released.

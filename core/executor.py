@@ -51,6 +51,7 @@ def plan_kv(runner: ModelRunner, used_bytes: int) -> KVPlan:
         swap_bytes=int(cfg.cache.swap_space * GiB),
         num_blocks_override=cfg.cache.num_blocks_override,
         sliding_window=shared_sliding_window(runner.model.attention_specs()),
+        max_step_tokens=cfg.scheduler.max_num_batched_tokens,
     )
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from core.block_manager import window_blocks_bound
 from core.config import GiB
 
 
@@ -19,6 +19,9 @@ class KVPlan:
     sliding_window: int | None = None
     """The window every attention layer shares (see core.attention.shared_sliding_window):
     the block manager frees blocks that slid out of it. None: no such window."""
+    max_step_tokens: int | None = None
+    """Most positions one sequence computes in a step (the scheduler's token budget); with a
+    window it bounds the blocks a sequence holds. None: a whole max_model_len prompt."""
 
     @property
     def tokens(self) -> int:
@@ -26,18 +29,24 @@ class KVPlan:
 
     @property
     def blocks_per_max_len_seq(self) -> int:
-        return math.ceil(self.max_model_len / self.block_size)
+        """Blocks one max_model_len sequence holds at once (fewer under a window)."""
+        step = self.max_step_tokens if self.max_step_tokens is not None else self.max_model_len
+        return window_blocks_bound(self.max_model_len, self.block_size, self.sliding_window, step)
 
     @property
     def max_concurrent_at_max_len(self) -> int:
         return (self.num_blocks - 1) // self.blocks_per_max_len_seq  # minus the null block
 
     def describe(self) -> str:
+        window = (
+            f" (sliding window {self.sliding_window}: such a sequence holds at most "
+            f"{self.blocks_per_max_len_seq} blocks)" if self.sliding_window is not None else ""
+        )
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens "
             f"({format_bytes(self.num_blocks * self.bytes_per_block)}, "
             f"{format_bytes(self.bytes_per_block)} per block); holds {self.max_concurrent_at_max_len} sequence(s) of max_model_len "
-            f"{self.max_model_len}; host swap pool {self.num_host_blocks} blocks"
+            f"{self.max_model_len}{window}; host swap pool {self.num_host_blocks} blocks"
         )
 
 
@@ -49,12 +58,14 @@ def plan_kv_cache(
     swap_bytes: int = 0,
     num_blocks_override: int | None = None,
     sliding_window: int | None = None,
+    max_step_tokens: int | None = None,
 ) -> KVPlan:
-    """Blocks that fit ``budget_bytes``; refuse if one max_model_len sequence cannot fit."""
+    """Blocks that fit ``budget_bytes``; refuse if one max_model_len sequence cannot fit
+    (under a sliding window: its window plus one step's tokens, see KVPlan.max_step_tokens)."""
     num_blocks = num_blocks_override if num_blocks_override is not None else budget_bytes // bytes_per_block
     plan = KVPlan(
         block_size, bytes_per_block, num_blocks, swap_bytes // bytes_per_block, max_model_len,
-        sliding_window,
+        sliding_window, max_step_tokens,
     )
     need = plan.blocks_per_max_len_seq + 1  # block 0 is the reserved null block
     if num_blocks < need:
@@ -66,6 +77,8 @@ def plan_kv_cache(
         )
         # with no usable block, lowering max_model_len cannot help: offer only the budget
         fix = f"lower --max-model-len to at most {fits} or {raise_it}" if fits else raise_it
+        if sliding_window is not None:  # the window plus one step's tokens is what must fit
+            fix += f", or lower --max-num-batched-tokens (a step's tokens sit beside the {sliding_window}-token window)"
         raise ValueError(
             f"max_model_len {max_model_len} needs {need - 1} blocks of {block_size} tokens (plus "
             f"1 reserved block; {format_bytes(bytes_per_block)} per block, {format_bytes(need_bytes)} "

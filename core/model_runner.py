@@ -133,6 +133,7 @@ class ModelRunner:
             comm=self.setup.comm,
             weight_format=self.config.model.weight_format,
             linear_method=self.platform.linear_method(self.config.model.weight_format),
+            graph_capture=self._may_use_graphs(),
         )
         self.model = load_model(self.config.model, ctx, self.setup.registry)
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(

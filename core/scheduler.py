@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.block_manager import BlockManager, blocks_for
+from core.block_manager import BlockManager
 from core.config import SchedulerConfig
 from core.engine_core.types import RequestDelta, SampleDelta
 from core.request import Request, Sequence, SequenceStatus
@@ -407,8 +407,7 @@ class Scheduler:
             return
         remaining = self._remaining(seq)
         k = self._num_new_tokens(seq, seq.num_computed_tokens, step, remaining == 1)
-        on_host = self.bm.num_blocks_to_swap_in(seq.seq_id)
-        need = max(on_host, self.bm.blocks_for(seq.num_computed_tokens + k))
+        need = self.bm.num_blocks_to_swap_in_and_append(seq.seq_id, seq.num_computed_tokens + k)
         if (k == 0 and remaining > 0) or not self._make_room(
             seq, lambda: need, step, strict_priority=True
         ):
@@ -663,8 +662,9 @@ class Scheduler:
                 f"({cfg.max_num_batched_tokens}), and chunked prefill is off; enable it"
             )
         bs = self.bm.block_size
-        shared = (p - 1) // bs if n > 1 else 0
-        need = shared + n * (blocks_for(self._max_len(request.seqs[0]), bs) - shared)
+        per_seq = self.bm.max_blocks_held(self._max_len(request.seqs[0]), cfg.max_num_batched_tokens)
+        shared = min(per_seq, (p - 1) // bs) if n > 1 else 0
+        need = shared + n * (per_seq - shared)
         if need > self.bm.num_usable_blocks:
             return (
                 f"n={n} sample(s) of up to {self._max_len(request.seqs[0])} tokens need {need} KV "

@@ -45,11 +45,13 @@ struct DecodeArgs {
   int max_parts;       // v2: partitions of the longest sequence (grid size)
   int sliding_window;  // 0: none; else attend to the last `sliding_window` tokens
   float scale;         // softmax scale applied to q.k
+  float soft_cap;      // 0: none; else scaled scores s become soft_cap * tanh(s / soft_cap)
   DType dtype;
 };
 
 // Launches v1 (args.partition == 0) or v2 (split-KV kernel + reduce kernel). Returns the
-// launch error, if any. Requires head_size in {64, 128}, block_size a power of two >= 16,
+// launch error, if any. Requires head_size in {64, 128} (or 256 in fp16/bf16; on ROCm with
+// query groups of at most 4), block_size a power of two >= 16,
 // 16-byte aligned rows, and num_q_heads % num_kv_heads == 0.
 cudaError_t paged_decode(const DecodeArgs& args, cudaStream_t stream);
 

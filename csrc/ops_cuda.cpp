@@ -143,9 +143,16 @@ void check_decode_inputs(const at::Tensor& out, const at::Tensor& query, const a
               msg("query dtype ", query.scalar_type(), " differs from the cache dtype ",
                   kv_cache.scalar_type()));
   const int64_t head = kv_cache.size(4);
-  TORCH_CHECK(query.size(2) == head && (head == 64 || head == 128),
+  TORCH_CHECK(query.size(2) == head && (head == 64 || head == 128 || head == 256),
               msg("head size ", query.size(2), " (cache: ", head,
-                  ") is not supported; the kernels take 64 or 128"));
+                  ") is not supported; the kernels take 64, 128 or 256"));
+  TORCH_CHECK(head != 256 || query.scalar_type() != at::kFloat,
+              "head size 256 is supported in bfloat16 and float16 only, not float32");
+#ifdef USE_ROCM
+  TORCH_CHECK(head != 256 || query.size(1) / kv_cache.size(2) <= 4,
+              msg("head size 256 on ROCm takes query groups of at most 4; got ",
+                  query.size(1) / kv_cache.size(2), " query heads per kv head"));
+#endif
   TORCH_CHECK(
       query.size(1) % kv_cache.size(2) == 0,
       msg(query.size(1), " query heads are not a multiple of ", kv_cache.size(2), " kv heads"));
@@ -161,8 +168,11 @@ void check_decode_inputs(const at::Tensor& out, const at::Tensor& query, const a
 
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                  int64_t max_seq_len, int64_t partition_size, int64_t sliding_window) {
+                  int64_t max_seq_len, int64_t partition_size, int64_t sliding_window,
+                  double logits_soft_cap) {
   check_decode_inputs(out, query, kv_cache, block_tables, seq_lens);
+  TORCH_CHECK(logits_soft_cap >= 0.0,
+              msg("logits_soft_cap ", logits_soft_cap, " must be 0 (no capping) or positive"));
   TORCH_CHECK(partition_size >= 0 && partition_size % 16 == 0,
               msg("partition_size ", partition_size,
                   " must be 0 (single pass) or a positive multiple of 16"));
@@ -189,6 +199,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   a.partition = static_cast<int>(partition_size);
   a.sliding_window = static_cast<int>(sliding_window);
   a.scale = static_cast<float>(scale);
+  a.soft_cap = static_cast<float>(logits_soft_cap);
   a.dtype = kernel_dtype(query, "query");
   at::Tensor part_out, part_max, part_sum;  // v2 scratch, from the caching allocator
   if (partition_size > 0) {

@@ -13,7 +13,7 @@ TORCH_LIBRARY(core_C, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int max_seq_len, int partition_size, "
-      "int sliding_window) -> ()");
+      "int sliding_window, float logits_soft_cap=0.0) -> ()");
   m.def("copy_blocks(Tensor(a!)[] kv_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
 }

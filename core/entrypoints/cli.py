@@ -148,6 +148,9 @@ def cmd_platforms(ns) -> int:
     width = shutil.get_terminal_size((100, 24)).columns
     for line in format_table(headers, rows, width, wrap={3, 4}):
         print(line)
+    from core.models import model_support_summary
+
+    print("\n" + textwrap.fill(model_support_summary(), width))
     try:
         chosen = plugins.select(env.platform or ns.platform)
         print(f"\nselected: {chosen.name}")

@@ -12,7 +12,9 @@ A model class is constructed as ``cls(hf_config, ctx)`` and provides:
 * ``attention_specs()`` — one :class:`~core.attention.AttentionSpec` per layer, in order.
 
 Built-in architectures are listed in ``_BUILTIN``; plugins add more through the
-``core_model_architectures`` hook.
+``core_model_architectures`` hook. Any other causal LM that transformers implements resolves
+to :class:`~core.models.transformers_fallback.TransformersForCausalLM` (transformers' modules
+with core's paged attention: slower, one device, eager; it says so at start-up).
 """
 
 from __future__ import annotations
@@ -63,10 +65,23 @@ class ModelContext:
     linear_method: LinearMethod = DENSE
     """How linear layers keep and multiply by their weights: the platform's strategy for
     ``weight_format`` (see Platform.linear_method)."""
+    graph_capture: bool = False
+    """Whether the runner will capture this model's steps in graphs (a model that cannot be
+    captured refuses instead of running wrong)."""
 
 
 def builtin_architectures() -> frozenset[str]:
     return frozenset(_BUILTIN)
+
+
+def model_support_summary() -> str:
+    """One line for ``core platforms``: what runs natively and what through the fallback."""
+    from core.models.transformers_fallback import SLOWER
+
+    return (
+        f"models: {len(_BUILTIN)} architectures native ({', '.join(sorted(_BUILTIN))}); any other "
+        f"transformers causal LM runs through the transformers fallback ({SLOWER})"
+    )
 
 
 @dataclass(frozen=True)
@@ -105,9 +120,18 @@ class ModelRegistry:
         if found is not None:
             return found
         if architecture not in _BUILTIN:
+            from core.models.transformers_fallback import (
+                TransformersForCausalLM,
+                transformers_causal_lm,
+            )
+
+            if transformers_causal_lm(architecture):
+                return TransformersForCausalLM  # slower, and says so at start-up
             raise ValueError(
-                f"model architecture {architecture!r} is not supported; supported: "
-                f"{self.names()}. A plugin can add one through the core_model_architectures hook"
+                f"model architecture {architecture!r} is not supported: core has no model file "
+                f"for it and transformers has no causal-LM class of that name; supported "
+                f"natively: {self.names()}. A plugin can add one through the "
+                "core_model_architectures hook"
             )
         module, cls = _BUILTIN[architecture].split(":")
         return getattr(importlib.import_module(module), cls)

@@ -18,7 +18,8 @@
 // owning kDimsPerLane dimensions for all G heads; q.k partial sums are combined with
 // kLanesPerRow-wide xor shuffles. Each lane keeps its own online-softmax state (running max,
 // sum, output accumulator) over the rows it saw; lanes and warps are merged once at the end.
-// Scores are kept in the log2 domain (q is pre-scaled by scale * log2(e)).
+// Scores are kept in the log2 domain (q is pre-scaled by scale * log2(e); under a soft cap by
+// scale alone, and log2(e) is applied after the tanh).
 #pragma once
 
 #include "../cuda_compat.h"
@@ -88,11 +89,13 @@ __device__ __forceinline__ void load_query(const DecodeArgs& a, int seq, int qh0
   }
 }
 
-// q in floats, scaled into the log2 domain (scale * log2(e)).
+// q in floats, scaled into the log2 domain (scale * log2(e)); with a soft cap only by scale,
+// because tanh must see the natural-domain score (soft_capped moves it into log2 after).
 template <typename Sh, typename DT, int kGroup>
 __device__ __forceinline__ void convert_query(const uint4 (&raw)[kGroup][Sh::kChunksPerLane],
-                                              float scale, float (&q)[kGroup][Sh::kDimsPerLane]) {
-  const float s = scale * kLog2e;
+                                              float scale, float soft_cap,
+                                              float (&q)[kGroup][Sh::kDimsPerLane]) {
+  const float s = soft_cap > 0.f ? scale : scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < kGroup; ++g) {
 #pragma unroll
@@ -196,15 +199,29 @@ __device__ __forceinline__ void unit_scores(const uint4* keys, int row_group, in
   }
 }
 
+// Gemma 2's attention-logit soft cap: natural-domain scores s (q pre-scaled by scale only)
+// become soft_cap * tanh(s / soft_cap), returned in the log2 domain. soft_cap is uniform
+// across the grid, so the branch never diverges.
+template <typename Sh, int kGroup>
+__device__ __forceinline__ void soft_capped(float soft_cap, float (&s)[Sh::kRowsPerLane][kGroup]) {
+  const float inv = 1.f / soft_cap, out = soft_cap * kLog2e;
+#pragma unroll
+  for (int j = 0; j < Sh::kRowsPerLane; ++j) {
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) s[j][g] = out * tanhf(s[j][g] * inv);
+  }
+}
+
 // One unit: scores, online-softmax update, and p.V. Rows outside [lo, hi) are masked: their
 // scores never count and their (possibly garbage) values are never touched.
 template <typename Sh, typename DT, int kGroup>
 __device__ __forceinline__ void attend_unit(const uint4* stage, int first_token, int lo, int hi,
                                             int row_group, int lane_in_row,
                                             const float (&q)[kGroup][Sh::kDimsPerLane],
-                                            LaneState<Sh, kGroup>& st) {
+                                            float soft_cap, LaneState<Sh, kGroup>& st) {
   float s[Sh::kRowsPerLane][kGroup];
   unit_scores<Sh, DT, kGroup>(stage, row_group, lane_in_row, q, s);
+  if (soft_cap > 0.f) soft_capped<Sh, kGroup>(soft_cap, s);
   bool valid[Sh::kRowsPerLane];
 #pragma unroll
   for (int j = 0; j < Sh::kRowsPerLane; ++j) {

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
   for (int i = 0; i < Sh::kStages - 1; ++i) issue(i);
 
   float q[kGroup][Sh::kDimsPerLane];
-  convert_query<Sh, DT, kGroup>(q_raw, a.scale, q);
+  convert_query<Sh, DT, kGroup>(q_raw, a.scale, a.soft_cap, q);
   LaneState<Sh, kGroup> st;
   st.init();
   for (int i = 0; i < n_mine; ++i) {
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
     async_copy_wait<Sh::kStages - 1>();  // unit i's group is complete
     warp_sync();                         // ... and visible to every lane
     attend_unit<Sh, DT, kGroup>(ring + (i % Sh::kStages) * Sh::kUnitChunks, unit_token(i), lo, end,
-                                row_group, lane_in_row, q, st);
+                                row_group, lane_in_row, q, a.soft_cap, st);
     warp_sync();  // every lane is done with this stage before it is refilled
   }
   allow_dependent_launch();  // the v2 reduce kernel may be scheduled from here on
@@ -214,6 +214,10 @@ cudaError_t launch_paged_decode(const DecodeArgs& a, cudaStream_t stream) {
 
 // Picks the compile-time shape: query heads per CTA = 4 for groups up to 4 (MHA and small
 // GQA groups pad with idle heads), else 8 (larger groups are served in tiles of 8).
+// Head size 256 (Gemma 2/3) exists for 16-bit types only: an fp32 row is 64 16-byte chunks,
+// more than a warp's lanes, which the unit copy plan needs to cover. On ROCm its 8-head tile
+// would need more merge scratch than the single copy stage holds, so groups above 4 (no
+// released Gemma has one) are refused there.
 template <typename DT>
 cudaError_t paged_decode_typed(const DecodeArgs& a, cudaStream_t stream) {
   const bool wide = a.num_q_heads / a.num_kv_heads > 4;
@@ -224,6 +228,16 @@ cudaError_t paged_decode_typed(const DecodeArgs& a, cudaStream_t stream) {
   if (a.head_size == 128) {
     return wide ? launch_paged_decode<DT, 128, 8>(a, stream)
                 : launch_paged_decode<DT, 128, 4>(a, stream);
+  }
+  if constexpr (sizeof(typename DT::Storage) == 2) {
+    if (a.head_size == 256) {
+#ifdef USE_ROCM
+      return wide ? cudaErrorInvalidValue : launch_paged_decode<DT, 256, 4>(a, stream);
+#else
+      return wide ? launch_paged_decode<DT, 256, 8>(a, stream)
+                  : launch_paged_decode<DT, 256, 4>(a, stream);
+#endif
+    }
   }
   return cudaErrorInvalidValue;
 }

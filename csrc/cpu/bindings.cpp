@@ -18,7 +18,7 @@ void rotary_embedding(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& po
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slots);
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                  const std::optional<at::Tensor>& table_rows);
+                  const std::optional<at::Tensor>& table_rows, double logits_soft_cap);
 void linear_f32out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, int64_t bits, int64_t act_mode);
@@ -36,7 +36,7 @@ TORCH_LIBRARY(core_cpu, m) {
         "Tensor cos_sin_cache, int rotary_dim) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window, Tensor? table_rows=None) -> ()");
+        "float scale, int window, Tensor? table_rows=None, float logits_soft_cap=0.0) -> ()");
   m.def("linear_f32out(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, "
         "int act_mode) -> ()");

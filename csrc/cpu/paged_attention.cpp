@@ -15,6 +15,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -102,6 +103,7 @@ struct DecodeArgs {
   const int32_t* seq_lens;
   float scale;
   int64_t window;  // <= 0: attend to the whole context
+  float soft_cap;  // <= 0: none; else scaled scores s become soft_cap * tanh(s / soft_cap)
 };
 
 // Positions [start, len) of sequence b, block by block: f(row of kv head h, position - start).
@@ -115,6 +117,13 @@ inline void for_each_row(const DecodeArgs<T>& a, const T* base, int64_t b, int64
     const T* rows = base + static_cast<int64_t>(table[bi]) * bs * row_stride + h * a.head_size;
     for (; p < stop; ++p) f(rows + (p - bi * bs) * row_stride, p - start);
   }
+}
+
+// Gemma 2's attention-logit soft cap on one row of scaled scores, before the softmax.
+inline void soft_cap_inplace(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
 }
 
 inline int64_t window_start(int64_t len, int64_t window) {
@@ -139,7 +148,10 @@ void decode_one(const DecodeArgs<T>& a, int64_t b, int64_t h, std::vector<float>
     for (int64_t i = 0; i < d; ++i) row[i] = to_f32(k[i]);
     for (int64_t g = 0; g < g_n; ++g) scores[g * n + j] = dot(q + g * d, row, d);
   });
-  for (int64_t g = 0; g < g_n; ++g) softmax_inplace(scores + g * n, n);
+  for (int64_t g = 0; g < g_n; ++g) {
+    soft_cap_inplace(scores + g * n, n, a.soft_cap);
+    softmax_inplace(scores + g * n, n);
+  }
   std::fill(acc, acc + g_n * d, 0.f);
   for_each_row(a, a.values, b, h, start, len, [&](const T* v, int64_t j) {
     for (int64_t i = 0; i < d; ++i) row[i] = to_f32(v[i]);
@@ -195,7 +207,10 @@ void decode_heads_avx512(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t 
       }
     }
   });
-  for (int64_t i = 0; i < nq; ++i) softmax_inplace(scores + i * n, n);
+  for (int64_t i = 0; i < nq; ++i) {
+    soft_cap_inplace(scores + i * n, n, a.soft_cap);
+    softmax_inplace(scores + i * n, n);
+  }
   __m512 acc[kMaxQueries][NV];
   for (int64_t i = 0; i < nq; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -270,7 +285,10 @@ CORE_AVX2 void decode_heads_avx2(const DecodeArgs<T>& a, int64_t b, int64_t h0, 
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) softmax_inplace(scores + i * n, n);
+  for (int64_t i = 0; i < nq; ++i) {
+    soft_cap_inplace(scores + i * n, n, a.soft_cap);
+    softmax_inplace(scores + i * n, n);
+  }
   __m256 acc[kMaxQueries2][NV];
   for (int64_t i = 0; i < nq; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
@@ -328,12 +346,15 @@ std::pair<DecodeFn<T>, int64_t> pick_decode(int64_t head_size, int64_t group) {
 }
 
 // out[b] = softmax(scale * q[b] K^T) V over the first seq_lens[b] positions of block-table
-// row table_rows[b] (row b without table_rows), the last `window` of them when window > 0.
+// row table_rows[b] (row b without table_rows), the last `window` of them when window > 0;
+// scores soft-capped (cap * tanh(s / cap)) when logits_soft_cap > 0.
 // query/out: [rows, heads, head_size].
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                  const std::optional<at::Tensor>& table_rows) {
+                  const std::optional<at::Tensor>& table_rows, double logits_soft_cap) {
   check_cache(kv_cache, "paged_decode");
+  TORCH_CHECK(logits_soft_cap >= 0.0, "paged_decode: logits_soft_cap ", logits_soft_cap,
+              " must be 0 (no capping) or positive");
   const int64_t seqs = query.size(0), heads = query.size(1);
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3), d = kv_cache.size(4);
   check_head_rows(query, heads, d, "paged_decode query");
@@ -377,7 +398,8 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     const T* keys = reinterpret_cast<const T*>(kv_cache.data_ptr());
     DecodeArgs<T> a{reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(query.data_ptr()),
                     out.stride(0), query.stride(0), keys, keys + nb * bs * kvh * d, nb, bs, kvh, d, heads / kvh,
-                    tables, rows, block_tables.stride(0), width, lens, static_cast<float>(scale), window};
+                    tables, rows, block_tables.stride(0), width, lens, static_cast<float>(scale), window,
+                    static_cast<float>(logits_soft_cap)};
     const auto [decode, max_heads] = pick_decode<T>(d, heads / kvh);
     // Whole sequences per task when there are enough of them to keep every thread busy;
     // otherwise one kv head per task, so a lone long sequence still uses all threads.

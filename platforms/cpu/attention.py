@@ -163,6 +163,7 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
         self._write_kv = kernels.write_kv.default
         self._paged_decode = kernels.paged_decode.default
         self._window = spec.sliding_window or 0
+        self._soft_cap = spec.logits_soft_cap or 0.0
 
     @staticmethod
     def _heads_are_rows(t: torch.Tensor) -> bool:
@@ -186,13 +187,13 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
             self._heads_are_rows(query) and self._heads_are_rows(out)
             and query.dtype == kv_cache.dtype and out.dtype == kv_cache.dtype
             and tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-            and self.spec.logits_soft_cap is None  # the kernel does not cap logits
         )
         if not fits:
             super()._decode_into(out, query, kv_cache, md)
             return
         self._paged_decode(
-            out, query, kv_cache, tables, seq_lens.contiguous(), self.spec.softmax_scale, self._window
+            out, query, kv_cache, tables, seq_lens.contiguous(), self.spec.softmax_scale, self._window,
+            logits_soft_cap=self._soft_cap,
         )
 
     def _prefill(self, query, key, value, kv_cache, md: AttentionMetadata, out) -> None:
@@ -212,13 +213,13 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
             self._heads_are_rows(q) and self._heads_are_rows(o)
             and q.dtype == kv_cache.dtype and o.dtype == kv_cache.dtype
             and tables.dtype == torch.int32
-            and self.spec.logits_soft_cap is None  # the kernel does not cap logits
         )
         if not fits:
             super()._prefill(query, key, value, kv_cache, md, out)
             return
         rows, lens = _prompt_rows(md)
-        self._paged_decode(o, q, kv_cache, tables, lens, self.spec.softmax_scale, self._window, rows)
+        self._paged_decode(o, q, kv_cache, tables, lens, self.spec.softmax_scale, self._window, rows,
+                           logits_soft_cap=self._soft_cap)
 
 
 def _prompt_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,10 @@
 """CUDA attention: our paged decode kernels (csrc/) for decode rows, torch SDPA for prompts.
 
+Per-layer attention variants (Gemma 2/3): the softmax scale (``query_pre_attn_scalar``) and
+the sliding window come from each layer's spec, in both paths. Attention-logit soft-capping
+runs inside the decode kernel; SDPA has no hook for it, so soft-capped prompts take
+:func:`soft_capped_attention` (plain torch, query rows in chunks of bounded score memory).
+
 KV layout (one tensor per layer): ``[num_blocks, 2, num_kv_heads, block_size, head_size]``.
 A block's keys and values are one contiguous span, so swaps and copy-on-write move one span
 per block; the keys of one (block, kv head) are a contiguous ``[block_size, head_size]`` tile,
@@ -20,7 +25,8 @@ import torch.nn.functional as F
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from platforms.cuda.build import load_ops
 
-SUPPORTED_HEAD_SIZES = (64, 128)
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+"""256 (Gemma 2/3) in bfloat16/float16 only (see csrc/attention/paged_decode_kernel.cuh)."""
 SUPPORTED_BLOCK_SIZES = (16, 32)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -29,6 +35,9 @@ CTAS_PER_SM = 2
 MIN_PARTITION_TOKENS = 256
 """Shortest v2 partition: below this a CTA's start-up (query, block ids, first copies)
 outweighs its streaming time."""
+SOFT_CAP_SCORE_BYTES = 256 << 20
+"""Score memory (fp32) one step of :func:`soft_capped_attention` may take: query rows are
+processed in chunks so that heads x rows x keys x 4 bytes stays below it."""
 
 
 def head_tiles(num_heads: int, num_kv_heads: int) -> int:
@@ -69,6 +78,7 @@ class CudaPagedAttention(AttentionBackend):
     """
 
     name = "cuda_paged"
+    supports_logits_soft_cap = True  # decode: in the csrc kernel; prompts: soft_capped_attention
 
     def __init__(self, spec: AttentionSpec, decode_partition: int | None = None, ops=None):
         super().__init__(spec)
@@ -141,6 +151,7 @@ class CudaPagedAttention(AttentionBackend):
             md.max_seq_len,
             partition,
             self.spec.sliding_window or 0,
+            self.spec.logits_soft_cap or 0.0,
         )
 
     def _sm_count(self, device: torch.device) -> int:
@@ -155,13 +166,18 @@ class CudaPagedAttention(AttentionBackend):
         bottom-right-aligned causal mask (memory-efficient kernel)."""
         seq_lens = md.seq_lens_host or tuple(md.seq_lens.tolist())
         ctx_lens = md.context_lens_host or tuple(md.context_lens.tolist())
-        window = self.spec.sliding_window
+        window, cap = self.spec.sliding_window, self.spec.logits_soft_cap
         start = 0
         for i in range(md.num_prefills):
             q_len, ctx = seq_lens[i] - ctx_lens[i], ctx_lens[i]
             rows = slice(start, start + q_len)
             start += q_len
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            if cap is not None:
+                k, v = self._gather(kv_cache, md.block_tables[i], seq_lens[i])
+                o = soft_capped_attention(q[0], k, v, self.spec.softmax_scale, cap, window)
+                out[rows] = o.transpose(0, 1)
+                continue
             if ctx == 0 and window is None:
                 k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q, D]
                 v = value[rows].transpose(0, 1).unsqueeze(0)
@@ -202,10 +218,48 @@ class CudaPagedAttention(AttentionBackend):
         return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
+def soft_capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    soft_cap: float,
+    window: int | None = None,
+    max_score_bytes: int = SOFT_CAP_SCORE_BYTES,
+) -> torch.Tensor:
+    """Causal attention with soft-capped logits for one sequence's new rows.
+
+    :param q: [H, q_len, D], the last ``q_len`` positions of the sequence.
+    :param k: [H, kv_len, D] keys of positions ``[0, kv_len)`` (kv heads already repeated
+        for their query groups); ``v`` likewise.
+    :return: [H, q_len, D] in q's dtype; row t attends to positions ``<= kv_len - q_len + t``
+        (and ``> that - window`` under a window), scores ``cap * tanh(scale * q.k / cap)``.
+    """
+    heads, q_len, _ = q.shape
+    kv_len = k.shape[1]
+    out = torch.empty_like(q)
+    rows = max(1, max_score_bytes // (4 * heads * max(kv_len, 1)))
+    k_pos = torch.arange(kv_len, device=q.device)
+    kf, vf = k.float(), v.float()
+    for r0 in range(0, q_len, rows):
+        r1 = min(q_len, r0 + rows)
+        scores = torch.matmul(q[:, r0:r1].float(), kf.transpose(1, 2)) * scale  # [H, r, kv]
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(kv_len - q_len + r0, kv_len - q_len + r1, device=q.device)
+        masked = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)
+        if window is not None:
+            masked |= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1) - window
+        scores.masked_fill_(masked, float("-inf"))
+        out[:, r0:r1] = torch.matmul(scores.softmax(-1), vf).to(q.dtype)
+    return out
+
+
 def _check_spec(spec: AttentionSpec) -> None:
     problems = []
     if spec.head_size not in SUPPORTED_HEAD_SIZES:
         problems.append(f"head size {spec.head_size} (supported: {SUPPORTED_HEAD_SIZES})")
+    elif spec.head_size == 256 and spec.dtype == torch.float32:
+        problems.append("head size 256 in float32 (256 is supported in bfloat16 and float16)")
     if spec.block_size not in SUPPORTED_BLOCK_SIZES:
         problems.append(f"block size {spec.block_size} (supported: {SUPPORTED_BLOCK_SIZES})")
     if spec.dtype not in SUPPORTED_DTYPES:

@@ -154,7 +154,10 @@ def test_decode_shapes_fit_the_lds_of_a_cu(staged, tmp_path):
         f"static_assert(DecodeShape<{dt}, {head}, {group}>::kThreads == 4 * kWarpSize);\n"
         f"static_assert(DecodeShape<{dt}, {head}, {group}>::kSmemBytes * {CTAS_PER_SM} <= "
         f"{LDS_PER_CU}, \"{dt} head {head} group {group}: {CTAS_PER_SM} CTAs exceed the LDS\");"
-        for dt in ("Fp16", "Bf16", "Fp32") for head in (64, 128) for group in (4, 8)
+        for dt, head, group in [
+            *((dt, head, group) for dt in ("Fp16", "Bf16", "Fp32") for head in (64, 128) for group in (4, 8)),
+            ("Fp16", 256, 4), ("Bf16", 256, 4),  # head 256: 16-bit, groups <= 4 on ROCm
+        ]
     )
     src = tmp_path / "lds_check.hip"
     src.write_text(

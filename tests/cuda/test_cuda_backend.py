@@ -59,7 +59,8 @@ def build_batch(spec, seqs, gen, num_blocks=400):
         seq_lens_host=tuple(c + n for c, n in seqs),
         context_lens_host=tuple(c for c, _ in seqs),
     )
-    ref = reference_attention(query, keys, values, q_lens, spec.softmax_scale, spec.sliding_window)
+    ref = reference_attention(query, keys, values, q_lens, spec.softmax_scale, spec.sliding_window,
+                              spec.logits_soft_cap)
     return query.cuda(), torch.cat(k_new).cuda(), torch.cat(v_new).cuda(), cache, md, ref
 
 

@@ -200,6 +200,27 @@ def test_window_bounds_kv_blocks_of_sequences_8x_longer(tmp_path):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_window_model_runs_in_a_cache_smaller_than_one_full_sequence(tmp_path, mode):
+    """Admission counts the window: 5 usable blocks hold no 512-token sequence (32 blocks)
+    but do hold one window of 16 plus a 24-token step (4 blocks); three sequences 8x the
+    window then take turns (preempted by recompute or swap) and still equal HF."""
+    from tests.helpers import tiny_model_dir
+
+    window, bs, max_new = 16, 16, 140
+    path = tiny_model_dir(tmp_path, "mistral", sliding_window=window, seed=7)
+    prompts = random_prompts(3, VOCAB, seed=8, lo=20, hi=36)
+    expected = hf_greedy(path, prompts, max_new)
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=bs,
+              num_blocks_override=6, max_num_batched_tokens=24, enable_prefix_caching=True,
+              preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
+    assert llm.engine.kv_plan.blocks_per_max_len_seq == 4
+    peak, outs = _peak_blocks_held(llm, prompts, max_new)
+    assert outs == expected
+    assert peak <= 5 and llm.engine.scheduler.stats().num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
 def test_mixed_local_and_global_layers_free_nothing(tmp_path):
     path = tiny_dir(tmp_path, "gemma2-capped")
     llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16)
