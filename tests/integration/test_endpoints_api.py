@@ -79,6 +79,16 @@ def test_tokenize_messages_matches_the_chat_template_and_the_chat_route(server, 
     assert chat["usage"]["prompt_tokens"] == len(want)
 
 
+def test_tokenize_passes_tools_and_template_kwargs_to_the_template(server, hf_tok):
+    messages = [{"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = _post(server, "/tokenize", {"messages": messages, "tools": tools, "chat_template_kwargs": {"x": 1}})
+    assert r.status_code == 200, r.text
+    want = hf_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False, x=1)
+    assert r.json()["tokens"] == list(want)
+
+
 def test_detokenize_round_trip(server, hf_tok):
     ids = hf_tok.encode("round trip ✓ text")
     r = _post(server, "/detokenize", {"model": "team/alias-b", "tokens": ids})

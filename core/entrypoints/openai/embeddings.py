@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 import uuid
 from typing import Annotated, Literal
@@ -43,6 +44,8 @@ from core.entrypoints.openai.serving import (
 from core.pooling import PoolingParams, PoolingType
 from core.sampling_params import SamplingParams
 
+logger = logging.getLogger("core.entrypoints.openai")
+
 EmbeddingInput = (
     NonEmptyStr
     | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -61,7 +64,7 @@ class EmbeddingRequest(StrictModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=MAX_INT,
                                    description="Must equal the model's embedding size (no Matryoshka truncation).")
-    user: Text | None = Field(None, description="End-user id; only logged.")
+    user: Text | None = Field(None, description="End-user id; only logged (with --log-prompts).")
     # extensions (vLLM's names)
     normalize: bool = Field(True, description="extension: scale each vector to unit L2 norm")
     add_special_tokens: bool = Field(True, description="extension: add BOS etc. to text inputs")
@@ -117,6 +120,9 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, ctx: ServerConte
                             pooling=PoolingParams(pooling, req.normalize))
     request_id = f"embd-{uuid.uuid4().hex}"
     streams = await ctx.submit(request_id, prompts, params, req.priority)
+    if ctx.log_requests:
+        logger.info("%s: embeddings, %d input(s), %d tokens, pooling %s%s", request_id, len(prompts),
+                    sum(map(len, prompts)), pooling, f", user={req.user!r}" if ctx.log_prompts else "")
     try:
         outs = await until_disconnect(raw, asyncio.gather(*(final_output(s) for s in streams)), ctx.grace)
     except ClientDisconnected:

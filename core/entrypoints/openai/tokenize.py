@@ -3,7 +3,7 @@
 /tokenize takes either ``prompt`` (text, with ``add_special_tokens``, default true) or
 ``messages`` (rendered with the chat template exactly as /v1/chat/completions renders them,
 with ``add_generation_prompt`` (default true), ``continue_final_message``,
-``chat_template_kwargs``, and ``add_special_tokens`` (default false: the template already
+``chat_template_kwargs``, ``tools`` (handed to the template), and ``add_special_tokens`` (default false: the template already
 writes them)). It answers ``{count, max_model_len, tokens, token_strs}``; ``token_strs``
 (each token's own string) only with ``return_token_strs: true``.
 
@@ -41,6 +41,8 @@ class TokenizeRequest(StrictModel):
         False, description="messages only: leave the last (assistant) message open to be continued.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="messages only: extra variables for the chat template (e.g. enable_thinking).")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="messages only: tool definitions, handed to the chat template as `tools`.")
     return_token_strs: bool = Field(False, description="Also return each token's string.")
 
     @model_validator(mode="after")
@@ -94,6 +96,8 @@ async def _render_chat(req: TokenizeRequest, ctx: ServerContext) -> list[int]:
     ctx.check_prompt_text([m["content"] for m in messages if isinstance(m.get("content"), str)], "messages")
     template = ctx.chat_template
     kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools is not None:
+        kwargs["tools"] = req.tools
 
     def render(engine: Any) -> list[int]:
         tok = engine.tokenizer
