@@ -11,6 +11,9 @@ openai SDK (which asks for base64 by default) checks the wire format end to end.
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx2
 import numpy as np
@@ -127,3 +130,22 @@ def test_refusals_name_the_field(server, body, param, fragment):
 def test_the_hidden_size_is_accepted_as_dimensions(server):
     r = _embed(server, input="x", dimensions=64)
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
+
+
+def test_schemathesis_on_the_new_routes(server, tmp_path):
+    """Bounded, seeded fuzzing of /v1/embeddings, /tokenize and /detokenize on an embedding
+    server: no 5xx, every response as the schema says, every schema-invalid request refused."""
+    if server.pooling != "last":
+        pytest.skip("one fuzzing run is enough; the routes do not depend on the pooling type")
+    st = Path(sys.executable).with_name("st")
+    checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance," \
+             "negative_data_rejection"
+    cmd = [str(st), "run", server.url + "/openapi.json", "--checks", checks, "--include-path-regex",
+           "^/(v1/embeddings|tokenize|detokenize)$", "--phases", "examples,coverage,fuzzing", "--max-examples", "25",
+           "--seed", "1", "--generation-deterministic", "--request-timeout", "60", "--workers", "1",
+           "--suppress-health-check", "all", "--report-dir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    if res.returncode != 0:
+        pytest.fail(f"schemathesis failed:\n{res.stdout[-8000:]}\n{res.stderr[-2000:]}")
+    assert "Tested: 3" in res.stdout and "No issues found" in res.stdout, res.stdout[-3000:]
+    assert "Traceback" not in server.log_text(), server.log_tail()
