@@ -281,14 +281,14 @@ class ModelRunner:
 
     def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]) -> dict[int, tuple[float, ...]]:
         """Pooled vectors of the embedding requests whose prompt ends this step (see core/pooling.py)."""
-        self.pooling.drop(sched.preempted)
+        self.pooling.begin_step()
         result: dict[int, tuple[float, ...]] = {}
         for i, s in enumerate(sched.scheduled):
             if s.params.pooling is None:
                 continue
             vec = self.pooling.add_chunk(s.seq_id, s.start_pos, hidden[qsl[i]:qsl[i + 1]], s.params.pooling, s.sample)
             if vec is not None and self.setup.comm.rank == 0:
-                result[s.seq_id] = tuple(vec.tolist())
+                result[s.seq_id] = vec if isinstance(vec, tuple) else tuple(vec.tolist())
         return result
 
     def _prompt_logprobs(

@@ -47,37 +47,55 @@ def skips_prefix_cache(params) -> bool:
     return params.pooling is not None and params.pooling.needs_every_position
 
 
+STALE_STEPS = 100_000
+"""A partial sum not extended for this many steps belongs to a request aborted mid-prompt (the
+runner is not told of aborts) and is dropped; a sequence swapped out for longer that comes
+back gets :data:`LOST` instead of a wrong mean."""
+
+LOST: tuple[float, ...] = ()
+"""The vector reported when a mean's earlier chunks were dropped (the API answers 503, retry)."""
+
+
 class PoolingState:
     """The model runner's running sums for mean pooling across prefill chunks.
 
-    Keyed by sequence id; a chunk starting at position 0 (a new prompt, or a recompute after
-    preemption) starts the sum afresh, the chunk that samples (the prompt's last) ends it.
+    Keyed by sequence id. A chunk at position 0 (a new prompt, or a recompute after
+    preemption) starts the sum afresh; a chunk at position p > 0 extends a sum over exactly p
+    positions (a sequence swapped out and back keeps its sum); the chunk that samples (the
+    prompt's last) ends it.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[int, tuple[torch.Tensor, int]] = {}
+        self._sums: dict[int, tuple[torch.Tensor, int, int]] = {}
+        """seq id -> (sum of hidden states, positions summed, step it was last extended)."""
+        self._step = 0
+
+    def begin_step(self) -> None:
+        """Count a step and drop sums no step extended for :data:`STALE_STEPS`."""
+        self._step += 1
+        if self._step % 1024 == 0:
+            stale = [s for s, (_, _, at) in self._sums.items() if self._step - at > STALE_STEPS]
+            for s in stale:
+                del self._sums[s]
 
     def add_chunk(self, seq_id: int, start_pos: int, rows: torch.Tensor, params: PoolingParams,
-                  final: bool) -> torch.Tensor | None:
+                  final: bool) -> torch.Tensor | tuple[float, ...] | None:
         """Take one chunk's hidden states ``rows`` [tokens, hidden]; on the final chunk return
-        the pooled vector (float32, [hidden]), else None."""
+        the pooled vector (float32, [hidden]) or :data:`LOST`, else None."""
         if params.type == "last":
             return _finish(rows[-1].float(), params) if final else None
-        total = rows.float().sum(0)
-        count = rows.shape[0]
-        if start_pos > 0 and seq_id in self._sums:
-            prev, prev_count = self._sums[seq_id]
-            total, count = total + prev, count + prev_count
+        total, count = rows.float().sum(0), rows.shape[0]
+        if start_pos > 0:
+            prev = self._sums.get(seq_id)
+            if prev is None or prev[1] != start_pos:
+                self._sums.pop(seq_id, None)
+                return LOST if final else None
+            total, count = total + prev[0], count + prev[1]
         if not final:
-            self._sums[seq_id] = (total, count)
+            self._sums[seq_id] = (total, count, self._step)
             return None
         self._sums.pop(seq_id, None)
         return _finish(total / count, params)
-
-    def drop(self, seq_ids) -> None:
-        """Forget sequences that will not finish their prompt here (preempted, aborted)."""
-        for s in seq_ids:
-            self._sums.pop(s, None)
 
 
 def _finish(vec: torch.Tensor, params: PoolingParams) -> torch.Tensor:

@@ -76,10 +76,13 @@ def test_pooling_mixed_with_generation_matches_hf(path, kind, normalize):
     run_mixed(llm, path, kind, normalize)
 
 
-def test_pooling_survives_preemption(path):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pooling_survives_preemption(path, mode):
     # A cache of a few dozen blocks for 16 requests of up to 60 tokens: sequences are preempted
-    # (recomputed) mid-prefill, and a mean restarted from position 0 must not keep stale sums.
+    # mid-prefill. A recomputed mean restarts from position 0 and must not keep stale sums; a
+    # swapped one resumes where it was and must keep its sum.
+    swap = dict(preemption_mode="swap", swap_space=0.01) if mode == "swap" else {}
     llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, kv_cache_memory="96KiB",
-              max_num_batched_tokens=32, max_model_len=128)
+              max_num_batched_tokens=32, max_model_len=128, **swap)
     run_mixed(llm, path, "mean", True)
     assert llm.engine.scheduler.stats().num_preemptions > 0

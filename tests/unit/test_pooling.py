@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core import pooling
 from core.engine_core.types import RequestDelta
-from core.pooling import PoolingParams, PoolingState, attach_pooled
+from core.pooling import LOST, PoolingParams, PoolingState, attach_pooled
 from core.sampling_params import SamplingParams
 
 
@@ -40,9 +41,28 @@ def test_a_recompute_from_position_zero_starts_afresh():
     state.add_chunk(3, 0, stale, params, False)  # then preempted by recompute
     state.add_chunk(3, 0, hidden[:6], params, False)
     torch.testing.assert_close(state.add_chunk(3, 6, hidden[6:], params, True), hidden.mean(0))
-    state.add_chunk(4, 0, stale, params, False)
-    state.drop([4])
     assert not state._sums
+
+
+def test_a_swapped_sequence_keeps_its_sum_and_a_lost_one_says_so(monkeypatch):
+    torch.manual_seed(3)
+    hidden = torch.randn(12, 8)
+    state, params = PoolingState(), PoolingParams("mean", True)
+    state.add_chunk(5, 0, hidden[:4], params, False)
+    for _ in range(50):  # swapped out for a while: steps without it
+        state.begin_step()
+    torch.testing.assert_close(state.add_chunk(5, 4, hidden[4:], params, True),
+                               torch.nn.functional.normalize(hidden.mean(0), dim=0))
+    # a sum over other positions than the chunk continues from is never extended
+    state.add_chunk(6, 0, hidden[:4], params, False)
+    assert state.add_chunk(6, 5, hidden[5:], params, True) == LOST
+    # an abort mid-prompt leaves a sum that is dropped once stale; a late chunk gets LOST
+    monkeypatch.setattr(pooling, "STALE_STEPS", 10)
+    state.add_chunk(7, 0, hidden[:4], params, False)
+    for _ in range(2048):
+        state.begin_step()
+    assert not state._sums
+    assert state.add_chunk(7, 4, hidden[4:], params, True) == LOST
 
 
 def test_bad_pooling_type_is_refused():

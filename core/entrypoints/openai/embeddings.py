@@ -133,8 +133,10 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, ctx: ServerConte
             raise
         raise err from e
     vectors = [o.pooled for o in outs]
-    if any(v is None for v in vectors):  # aborted (shutdown, cache exhausted): no vector to return
-        raise OpenAIError(503, "the engine stopped the request before its prompt ran; retry", code="aborted")
+    if any(not v for v in vectors):  # aborted (shutdown, cache exhausted), or LOST (core/pooling.py)
+        raise OpenAIError(503, "the engine could not pool an input (the request was stopped, or it was "
+                               "swapped out too long mid-prompt); retry", code="pooling_failed",
+                          headers={"Retry-After": "1"})
     size = len(vectors[0])
     if req.dimensions is not None and req.dimensions != size:
         raise bad_request(f"dimensions={req.dimensions} is not supported: this model's embeddings have {size} "
