@@ -132,11 +132,10 @@ def test_the_hidden_size_is_accepted_as_dimensions(server):
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
 
 
+@pytest.mark.parametrize("server", ["last"], indirect=True)  # the routes do not depend on the pooling type
 def test_schemathesis_on_the_new_routes(server, tmp_path):
     """Bounded, seeded fuzzing of /v1/embeddings, /tokenize and /detokenize on an embedding
     server: no 5xx, every response as the schema says, every schema-invalid request refused."""
-    if server.pooling != "last":
-        pytest.skip("one fuzzing run is enough; the routes do not depend on the pooling type")
     st = Path(sys.executable).with_name("st")
     checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance," \
              "negative_data_rejection"
