@@ -160,8 +160,10 @@ class AsyncLLMEngine:
         on_finished: Callable[[RequestOutput], None] | None = None,
         make_core: Callable[[EngineArgs], EngineCore] = build_engine_core,
         startup_timeout: float = STARTUP_TIMEOUT_S,
+        on_outputs: Callable[[list[RequestOutput]], None] | None = None,
     ):
         self._on_finished = on_finished
+        self._on_outputs = on_outputs  # every step's outputs, as they arrive (inter-token latency)
         self._lock = threading.Lock()  # guards _streams, _acks, _outputs, _dead
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._streams: dict[str, RequestStream] = {}
@@ -401,6 +403,7 @@ class AsyncLLMEngine:
                 finished = [o for o in outputs if o.finished]
                 targets = [self._stream_for(o) for o in outputs]
                 self._publish(msg.stats)
+            self._report_outputs(outputs)  # before on_finished, which forgets the request
             for out in finished:
                 self._report_finished(out)
             for stream, out in zip(targets, outputs):
@@ -447,6 +450,13 @@ class AsyncLLMEngine:
                 self._on_finished(out)
             except Exception:  # metrics must never take the engine down
                 logger.exception("on_finished callback failed for %s", out.request_id)
+
+    def _report_outputs(self, outputs: list[RequestOutput]) -> None:
+        if self._on_outputs is not None and outputs:
+            try:
+                self._on_outputs(outputs)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("on_outputs callback failed")
 
     def _die(self, exc: EngineDeadError) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from core.models import ModelContext, ModelRegistry
 from core.ops import Ops
 from core.outputs import Logprob
 from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platform
+from core.pooling import PoolingState
 from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
@@ -57,6 +58,8 @@ class ModelRunnerOutput:
     """For sequences that asked for prompt logprobs: one entry per prompt position
     computed this step whose next token is a prompt token (position p gives the
     logprobs of prompt token p + 1)."""
+    pooled: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    """Pooling requests whose prompt finished this step: the pooled vector (core/pooling.py)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class ModelRunner:
         # Page-locked staging only pays where the device has memory of its own.
         self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
         self.sampler = Sampler(eos_token_ids, staging=Staging(pinned=self.pin_host))
+        self.pooling = PoolingState()
         self.batch = PersistentBatch(
             max_rows=self.config.scheduler.max_num_seqs,
             max_blocks=-(-self.config.model.max_model_len // self.block_size),
@@ -258,8 +262,9 @@ class ModelRunner:
         qsl = [0, *itertools.accumulate(len(s.token_ids) for s in sched.scheduled)]
         rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
+        pooled = self._pool(sched, hidden, qsl)
         if not rows:
-            return ModelRunnerOutput({}, prompt_lp)
+            return ModelRunnerOutput({}, prompt_lp, pooled)
         last = self.sampler.staging([qsl[i + 1] - 1 for i in rows], torch.int64, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
@@ -273,7 +278,19 @@ class ModelRunner:
             s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
             for j, s in enumerate(scheduled)
         }
-        return ModelRunnerOutput(sampled, prompt_lp)
+        return ModelRunnerOutput(sampled, prompt_lp, pooled)
+
+    def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]) -> dict[int, tuple[float, ...]]:
+        """Pooled vectors of the embedding requests whose prompt ends this step (see core/pooling.py)."""
+        self.pooling.begin_step()
+        result: dict[int, tuple[float, ...]] = {}
+        for i, s in enumerate(sched.scheduled):
+            if s.params.pooling is None:
+                continue
+            vec = self.pooling.add_chunk(s.seq_id, s.start_pos, hidden[qsl[i]:qsl[i + 1]], s.params.pooling, s.sample)
+            if vec is not None and self.setup.comm.rank == 0:
+                result[s.seq_id] = vec if isinstance(vec, tuple) else tuple(vec.tolist())
+        return result
 
     def _prompt_logprobs(
         self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]

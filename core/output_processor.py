@@ -44,6 +44,7 @@ class _ReqState:
     """Emit only the finished output (offline use); skips per-step output building."""
     first_scheduled: float | None = None
     first_token: float | None = None
+    pooled: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,6 +78,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._reqs: dict[str, _ReqState] = {}
         self.counters = StepCounters()
+        self._last_step = 0.0  # when the previous step's deltas were processed (monotonic)
 
     def add_request(self, request: EngineRequest, prompt: str | None, final_only: bool = False) -> None:
         """Track a request before the engine core sees it (so no delta can be missed)."""
@@ -120,7 +122,11 @@ class OutputProcessor:
             if state is None:  # finished or aborted here already
                 continue
             if d.first_scheduled:
-                state.first_scheduled = now
+                # The step that first ran it began about when the previous step's outputs
+                # came (or, on an idle engine, when the request arrived): not now, its end.
+                state.first_scheduled = max(self._last_step, state.request.arrival_time)
+            if d.pooled is not None:
+                state.pooled = d.pooled
             if d.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 first, entries = d.prompt_logprobs
                 state.prompt_logprobs[first : first + len(entries)] = entries
@@ -137,6 +143,7 @@ class OutputProcessor:
                 outputs.append(self._finish_request(state))
             elif not state.final_only and (d.samples or d.prompt_logprobs is not None):
                 outputs.append(self._output(state, finished=False))
+        self._last_step = now
         return outputs, stops
 
     def _append(self, state: _ReqState, s: _Sample, sd: SampleDelta) -> bool:
@@ -208,7 +215,8 @@ class OutputProcessor:
             finished_time=time.monotonic() if finished else None,
         )
         plp = tuple(state.prompt_logprobs) if state.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, tuple(comps), finished, plp, metrics)
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, tuple(comps), finished, plp, metrics,
+                             state.pooled)
 
     def _finish_request(self, state: _ReqState) -> RequestOutput:
         out = self._output(state, finished=True)

@@ -59,3 +59,5 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     """Per prompt token (None for the first), when SamplingParams.prompt_logprobs is set."""
     metrics: RequestMetrics | None = field(default=None, compare=False)
+    pooled: tuple[float, ...] | None = None
+    """A pooling (embedding) request's vector, once its prompt ran (core/pooling.py)."""

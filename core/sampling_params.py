@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.pooling import PoolingParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -54,6 +56,8 @@ class SamplingParams:
     """Return this many top logprobs per prompt token (plus the prompt token itself)."""
     skip_special_tokens: bool = True
     detokenize: bool = True
+    pooling: PoolingParams | None = None
+    """Set for an embedding request: pool the prompt's hidden states (core/pooling.py)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Opaque per-request data for plugins; ignored by core."""
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from core.block_manager import BlockManager
 from core.config import SchedulerConfig
 from core.engine_core.types import RequestDelta, SampleDelta
+from core.pooling import skips_prefix_cache
 from core.request import Request, Sequence, SequenceStatus
 from core.sampling_params import SamplingParams
 
@@ -436,6 +437,7 @@ class Scheduler:
         tokens = seq.token_ids_from(0, seq.num_tokens)
         # Prompt logprobs need the logits of every prompt position: no cache hits then.
         cached = self.bm.match_prefix(tokens) if seq.params.prompt_logprobs is None else 0
+        cached = 0 if skips_prefix_cache(seq.params) else cached  # mean pooling reads every position
         request = self._requests[seq.request_id]
         remaining = self._target(seq) - cached
         if remaining <= 0:  # an n > 1 prompt that forks at once: n tokens, a block each

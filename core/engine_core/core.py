@@ -24,6 +24,7 @@ from core.models import ModelRegistry
 from core.ops import Ops
 from core.platform import Platform
 from core.plugins import Plugins, load_plugins
+from core.pooling import attach_pooled
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerStats
 from core.tokenizer import eos_token_ids, load_tokenizer
@@ -140,7 +141,8 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         result = self.executor.execute(sched)
-        return self.scheduler.update(sched, result)
+        deltas = self.scheduler.update(sched, result)
+        return attach_pooled(deltas, sched, result.pooled) if result.pooled else deltas
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

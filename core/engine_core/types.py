@@ -64,6 +64,8 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     abort_reason: str | None = None
     """Set when the engine core gave up on the request (it can no longer fit the cache);
     every unfinished sample ends with finish_reason 'abort'."""
+    pooled: tuple[float, ...] | None = None
+    """A pooling request's vector, on the delta of the step that finished its prompt."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.engine_args import EngineArgs
+from core.entrypoints.openai.generation_config import FILE_NAME, OFF
+from core.entrypoints.openai.served import ServedModel
+from core.pooling import POOLING_TYPES
+
+TASKS = ("generate", "embed")
 
 
 @dataclass(frozen=True)
@@ -18,8 +23,16 @@ class ServerArgs:
     port: int = 8000
     api_key: str | None = None
     """When set, /v1/* requires ``Authorization: Bearer <key>``; /health and /metrics stay open."""
-    served_model_name: str | None = None
-    """The name clients pass as ``model``; None = the model file or directory name."""
+    served_model_name: tuple[str, ...] | None = None
+    """The names clients may pass as ``model`` (the first answers in responses and labels
+    metrics); None = the model file or directory name."""
+    task: str = "generate"
+    """'generate' (completions and chat) or 'embed' (also /v1/embeddings)."""
+    pooling_type: str = "last"
+    """With --task embed: 'last' (the last prompt token's hidden state) or 'mean'."""
+    generation_config: str = "auto"
+    """Sampling defaults: 'auto' (the model's generation_config.json), 'vllm'/'none' (off),
+    or a folder holding a generation_config.json (see generation_config.py)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the tokenizer's."""
     shutdown_grace_period: float = 30.0
@@ -55,6 +68,15 @@ class ServerArgs:
         for name in ("timeout_keep_alive", "timeout_header", "timeout_body"):
             _require(name, getattr(self, name), 0.001, "a number of seconds", real=True)
         _require("shutdown_grace_period", self.shutdown_grace_period, 0, "a number of seconds", real=True)
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task!r} is invalid: must be one of {list(TASKS)}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"--pooling-type {self.pooling_type!r} is invalid: must be one of {list(POOLING_TYPES)}")
+        if self.served_model_name is not None:
+            ServedModel(self.served_model_name)  # refuses empty or repeated names before the model loads
+        if self.generation_config not in ("auto", *OFF) and not (Path(self.generation_config) / FILE_NAME).is_file():
+            raise ValueError(f"--generation-config {self.generation_config!r}: no {FILE_NAME} in that folder; "
+                             "name a folder that holds one, or pass 'auto' (the model's own) or 'vllm' (none)")
         if self.allowed_hosts is not None and not any(h.strip() for h in self.allowed_hosts):
             raise ValueError("--allowed-hosts is empty; name at least one host, or '*' for any")
 
@@ -64,7 +86,10 @@ class ServerArgs:
             host=ns.host,
             port=ns.port,
             api_key=ns.api_key,
-            served_model_name=ns.served_model_name,
+            served_model_name=tuple(ns.served_model_name) if ns.served_model_name else None,
+            generation_config=getattr(ns, "generation_config", "auto"),
+            task=getattr(ns, "task", "generate"),
+            pooling_type=getattr(ns, "pooling_type", "last"),
             chat_template=read_chat_template(ns.chat_template),
             shutdown_grace_period=ns.shutdown_grace_period,
             disable_log_requests=ns.disable_log_requests,
@@ -113,9 +138,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (checked before the model loads)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name clients send (default: the model's file or directory name)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                        "(/health and /metrics stay open)")
+    g.add_argument("--served-model-name", default=None, nargs="+", action="extend", metavar="NAME",
+                   help="model name(s) clients may send; all are listed in /v1/models, the first answers "
+                        "in responses and labels metrics; repeating the flag adds names (default: the "
+                        "model's file or directory name)")
+    g.add_argument("--task", default="generate", choices=list(TASKS),
+                   help="'embed' also serves /v1/embeddings (pooled hidden states of a decoder model)")
+    g.add_argument("--pooling-type", default="last", choices=list(POOLING_TYPES),
+                   help="with --task embed: 'last' = the last prompt token's hidden state (e5-mistral, "
+                        "gte-Qwen style), 'mean' = the average over the prompt")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for requests that leave them out: 'auto' = the model's "
+                        "generation_config.json (as vLLM), 'vllm' or 'none' = off, or a folder holding a "
+                        "generation_config.json")
     g.add_argument("--chat-template", default=None, help="Jinja chat template: a file path or the template text")
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")

@@ -30,9 +30,14 @@ def _header(scope, name: bytes) -> bytes | None:
     return None
 
 
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")
+"""Path prefixes the API key guards: everything that runs the model or its tokenizer.
+/health, /metrics, /version and the API description stay open (load balancers, Prometheus)."""
+
+
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on /v1/*; other paths (health, metrics) stay open.
-    The key is compared in constant time."""
+    """Require ``Authorization: Bearer <key>`` on :data:`PROTECTED_PATHS`; other paths
+    (health, metrics) stay open. The key is compared in constant time."""
 
     def __init__(self, app, api_key: str, on_refused: Refused = None):
         self.app = app
@@ -40,7 +45,7 @@ class ApiKeyMiddleware:
         self._on_refused = on_refused
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PATHS) and not self._authorized(scope):
             err = OpenAIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await _refuse(err, self._on_refused, scope, receive, send)

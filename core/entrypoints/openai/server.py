@@ -1,7 +1,8 @@
 """The FastAPI app (:func:`build_app`) and ``core serve`` (:func:`run_server`).
 
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions,
-POST /v1/chat/completions, GET /health, GET /metrics, GET /version, GET /openapi.json.
+POST /v1/chat/completions, POST /v1/embeddings (``--task embed``), POST /tokenize,
+POST /detokenize, GET /health, GET /metrics, GET /version, GET /openapi.json.
 
 The engine core runs in its own process (:class:`~core.async_engine.AsyncLLMEngine`); this
 process tokenizes, detokenizes, and speaks HTTP. If the engine core dies, open requests fail
@@ -37,7 +38,9 @@ from core.entrypoints.openai.args import ServerArgs
 from core.entrypoints.openai.chat import create_chat_completion
 from core.entrypoints.openai.completions import create_completion
 from core.entrypoints.openai.connection import protocol_with_header_timeout
-from core.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from core.entrypoints.openai.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
+from core.entrypoints.openai.errors import OpenAIError, bad_request, install_error_handlers
+from core.entrypoints.openai.generation_config import load_generation_defaults
 from core.entrypoints.openai.metrics import CONTENT_TYPE, Metrics
 from core.entrypoints.openai.middleware import (
     ApiKeyMiddleware,
@@ -55,8 +58,17 @@ from core.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from core.entrypoints.openai.served import ServedModel, default_served_name
 from core.entrypoints.openai.serving import ServerContext
 from core.entrypoints.openai.shutdown import BACKSTOP_S, ShutdownGrace
+from core.entrypoints.openai.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 from core.entrypoints.signals import exit_on_sigterm
 from core.version import __version__
 
@@ -112,11 +124,13 @@ def _fix_openapi(app: FastAPI, *models: type) -> None:
     app.openapi = openapi
 
 
-def served_name(args: ServerArgs, model_path: str) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    p = Path(model_path)
-    return p.stem if p.suffix == ".gguf" else p.name
+def served_model(args: ServerArgs, model_path: str) -> ServedModel:
+    """The names and sampling defaults the server answers with.
+
+    :raises ValueError: a bad --served-model-name or --generation-config (says which)
+    """
+    names = args.served_model_name or (default_served_name(model_path),)
+    return ServedModel(names, load_generation_defaults(args.generation_config, model_path))
 
 
 def _add_guards(app: FastAPI, args: ServerArgs, metrics: Metrics) -> None:
@@ -129,12 +143,13 @@ def _add_guards(app: FastAPI, args: ServerArgs, metrics: Metrics) -> None:
     app.add_middleware(HostCheckMiddleware, allowed=hosts, on_refused=metrics.on_refused)
 
 
-def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics, served: ServedModel | None = None) -> FastAPI:
     """The ASGI app serving ``engine``. The app stops the engine when it shuts down."""
     grace = ShutdownGrace(args.shutdown_grace_period)
-    ctx = ServerContext(engine, metrics.model_name, args.chat_template,
+    served = served or ServedModel((metrics.model_name,))
+    ctx = ServerContext(engine, served.primary, args.chat_template,
                         log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                        max_prompt_chars=args.max_prompt_chars, grace=grace)
+                        max_prompt_chars=args.max_prompt_chars, grace=grace, served=served)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,6 +172,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> Fas
     install_error_handlers(app, on_error=metrics.on_refused)
     _add_guards(app, args, metrics)
     _add_api_routes(app, ctx, started=int(time.time()))
+    _add_token_routes(app, ctx)
+    _add_embedding_route(app, ctx, args)
     _fix_openapi(app, ChatCompletionChunk, ErrorResponse)
     _add_ops_routes(app, engine, metrics)
     return app
@@ -165,20 +182,20 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> Fas
 def _add_api_routes(app: FastAPI, ctx: ServerContext, started: int) -> None:
     """The OpenAI routes under /v1."""
 
-    def card() -> ModelCard:
+    def card(name: str) -> ModelCard:
         # root is the model's file or directory *name*: the full path tells a client about
         # the server's file system and nothing it needs.
-        return ModelCard(id=ctx.model_name, created=started, root=Path(ctx.model_root).name,
+        return ModelCard(id=name, created=started, root=Path(ctx.model_root).name,
                          max_model_len=ctx.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(n) for n in ctx.served.names])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={401: _ERRORS[401], 404: _ERRORS[404]})
     async def get_model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return card()
+        return card(model)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**_ERRORS, **_streamed(CompletionResponse)})
@@ -191,6 +208,32 @@ def _add_api_routes(app: FastAPI, ctx: ServerContext, started: int) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completions; with ``stream: true`` a text/event-stream of chunks ending in ``[DONE]``."""
         return await create_chat_completion(body, raw, ctx)
+
+
+def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """vLLM's /tokenize and /detokenize (not under /v1, as in vLLM; the API key guards them
+    too: they run the tokenizer)."""
+    errors = {k: _ERRORS[k] for k in (400, 401, 404)}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of ``prompt``, or of ``messages`` rendered with the chat template."""
+        return await tokenize(body, ctx)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of ``tokens``."""
+        return await detokenize(body, ctx)
+
+
+def _add_embedding_route(app: FastAPI, ctx: ServerContext, args: ServerArgs) -> None:
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        """Pooled hidden states of each input (``--task embed``; ``--pooling-type`` last or mean)."""
+        if args.task != "embed":
+            raise bad_request("this server runs --task generate; start it with --task embed to serve "
+                              "/v1/embeddings", code="embeddings_disabled")
+        return await create_embedding(body, raw, ctx, args.pooling_type)
 
 
 def _add_ops_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: Metrics) -> None:
@@ -243,21 +286,29 @@ def run_server(ns: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.on_finished(out)
 
+    def on_outputs(outs) -> None:
+        if metrics is not None:
+            metrics.on_outputs(outs)
+
     # A SIGTERM while the model loads must stop the engine-core child too, not orphan it:
     # it unwinds as SystemExit (a second one kills at once), and AsyncLLMEngine stops the child.
     previous = signal.getsignal(signal.SIGTERM)
     exit_on_sigterm()
     try:
-        async_engine = AsyncLLMEngine(EngineArgs.from_cli_args(ns), on_finished=on_finished)
+        async_engine = AsyncLLMEngine(EngineArgs.from_cli_args(ns), on_finished=on_finished, on_outputs=on_outputs)
     except EngineStartupError as e:
         logger.error("%s", e)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:  # from here every way out stops the engine core
-        name = served_name(args, async_engine.info.model)
-        metrics = Metrics(name, lambda: async_engine.snapshot)
-        app = build_app(async_engine, args, metrics)
+        try:
+            served = served_model(args, async_engine.info.model)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 1
+        metrics = Metrics(served.primary, lambda: async_engine.snapshot)
+        app = build_app(async_engine, args, metrics, served)
         config = uvicorn.Config(
             app,
             host=args.host,

@@ -17,6 +17,7 @@ from core.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from core.engine import EngineOverloaded
 from core.entrypoints.openai.errors import OpenAIError, bad_request, clip
 from core.entrypoints.openai.protocol import SamplingRequest
+from core.entrypoints.openai.served import ServedModel
 from core.entrypoints.openai.shutdown import ShutdownGrace
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling_params import SamplingParams
@@ -49,9 +50,11 @@ class ServerContext:
         log_prompts: bool,
         max_prompt_chars: int | None = None,
         grace: ShutdownGrace | None = None,
+        served: ServedModel | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
+        self.served = served or ServedModel((model_name,))  # every name, sampling defaults (server.py)
         info = engine.info
         self.model_root = info.model
         self.max_model_len = info.max_model_len
@@ -67,10 +70,10 @@ class ServerContext:
 
     # ---- request checks ---------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.served.names:
             raise OpenAIError(
                 404,
-                f"the model {clip(model)!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
+                f"the model {clip(model)!r} does not exist; this server serves {self.served.shown()} (see /v1/models)",
                 param="model",
                 code="model_not_found",
             )
@@ -113,6 +116,7 @@ class ServerContext:
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams for ``req``; a bad combination becomes a 400."""
+        req, max_tokens = self.served.with_defaults(req, max_tokens)  # --generation-config
         bad_stops = [t for t in req.stop_token_ids or () if t >= self.vocab_size]
         if bad_stops:
             raise bad_request(f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {self.vocab_size})",
