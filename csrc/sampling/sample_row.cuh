@@ -553,6 +553,7 @@ struct RowSampler {
   // Draw among the candidates with z >= cut (all survivors), in vocabulary order.
   CORE_SAMPLE_FN int draw_candidates(int n, int np, float cut) {
     uint64_t* c = w.cand();
+    b.sync();  // every thread has read its cut-off from the sorted keys rewritten here
     for (int j = b.tid; j < np; j += b.n) {
       uint64_t key = ~0ull;
       if (j < n) {
