@@ -108,24 +108,27 @@ CORE_SAMPLE_FN uint64_t fixed_mass(float z, float max) {
 }
 
 // Online logsumexp state: s = sum exp(x - m) over the values seen (NaNs are skipped).
+// The sum is a double: a chunk's mass then carries ~1e-16 relative error, not the ~1e-6 of
+// float sums of hundreds of terms, so draws near a token boundary match the torch pipeline.
 struct Online {
-  float m, s;
+  float m;
+  double s;
 };
 
 CORE_SAMPLE_FN void online_add(Online& o, float x) {
   if (x > o.m) {
-    o.s = o.s * expf(o.m - x) + 1.f;  // o.m = -inf: expf(-inf) = 0
+    o.s = o.s * static_cast<double>(expf(o.m - x)) + 1.0;  // o.m = -inf: expf(-inf) = 0
     o.m = x;
   } else if (x > -INFINITY && o.m < INFINITY) {
-    o.s += expf(x - o.m);
+    o.s += static_cast<double>(expf(x - o.m));
   }
 }
 
 CORE_SAMPLE_FN Online online_merge(Online a, Online b) {
   const float m = a.m > b.m ? a.m : b.m;
-  if (m == -INFINITY) return Online{m, 0.f};
-  const float sa = a.m == -INFINITY ? 0.f : a.s * expf(a.m - m);
-  const float sb = b.m == -INFINITY ? 0.f : b.s * expf(b.m - m);
+  if (m == -INFINITY) return Online{m, 0.0};
+  const double sa = a.m == -INFINITY ? 0.0 : a.s * static_cast<double>(expf(a.m - m));
+  const double sb = b.m == -INFINITY ? 0.0 : b.s * static_cast<double>(expf(b.m - m));
   return Online{m, sa + sb};
 }
 
@@ -408,9 +411,9 @@ struct RowSampler {
 
   // A pass summing exp(z - zmax) over z >= cut per chunk, then the draw.
   CORE_SAMPLE_FN int draw_dense(float cut) {
-    float s = 0.f;
+    double s = 0.0;
     walk(r, b.tid, my_edit(), mine(), r.vec4, [&](int, float, float z) {
-      if (z >= cut) s += expf(z - zmax);
+      if (z >= cut) s += static_cast<double>(expf(z - zmax));
     });
     return draw_chunks(s, cut);
   }
@@ -528,7 +531,7 @@ struct RowSampler {
 
   // top-k / top-p cut-off from the sorted candidates, or NAN when the top-p boundary lies
   // past them (then the caller bisects).
-  CORE_SAMPLE_FN float candidate_cut(int n, int k, float top_p, float zsum) {
+  CORE_SAMPLE_FN float candidate_cut(int n, int k, float top_p, double zsum) {
     const uint64_t* c = w.cand();
     const float ck = k > 0 ? cand_value(c[k - 1]) : -INFINITY;
     if (top_p >= 1.f) return ck;
@@ -539,7 +542,7 @@ struct RowSampler {
     }
     b.sync();
     const double cand_total = scan_array(b, q, n, w.scratch);
-    const double total = k > 0 ? cand_total : static_cast<double>(zsum);
+    const double total = k > 0 ? cand_total : zsum;
     const double target = static_cast<double>(top_p) * total;
     uint64_t kept = 0;
     for (int j = b.tid; j < n; j += b.n) kept += q[j] < target ? 1 : 0;
@@ -620,7 +623,7 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
 
   // Pass 1: raw logsumexp and argmax, max and mass of z, per thread and for the row.
   const bool z_is_raw = !r.scaled && r.nedits == 0;
-  Stats mine{{-INFINITY, 0.f}, {-INFINITY, 0.f}, {-INFINITY, INT_MAX}, {-INFINITY, INT_MAX}};
+  Stats mine{{-INFINITY, 0.0}, {-INFINITY, 0.0}, {-INFINITY, INT_MAX}, {-INFINITY, INT_MAX}};
   walk(r, b.tid, w.edit_start[b.tid], r.raw + static_cast<int64_t>(b.tid) * r.chunk, r.vec4,
        [&](int i, float x, float z) {
          online_add(mine.raw, x);
@@ -632,13 +635,15 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
   if (z_is_raw) mine.z = mine.raw;
   const Stats all = block_reduce(b, mine, reinterpret_cast<Stats*>(w.arena),
                                  [](Stats x, const Stats& y) { return stats_merge(x, y); });
-  const float lse = all.raw.m == -INFINITY ? -INFINITY : all.raw.m + logf(all.raw.s);
+  const float lse = all.raw.m == -INFINITY ? -INFINITY
+                                            : all.raw.m + static_cast<float>(log(all.raw.s));
 
   int token;
-  const float zmax = all.z.m, zsum = all.z.s;
+  const float zmax = all.z.m;
+  const double zsum = all.z.s;
   if (greedy) {
     token = r.nedits ? all.bz.i : all.braw.i;
-  } else if (!(zmax > -INFINITY && zmax < INFINITY && zsum > 0.f && zsum < INFINITY)) {
+  } else if (!(zmax > -INFINITY && zmax < INFINITY && zsum > 0.0 && zsum < INFINITY)) {
     token = all.braw.i;  // no usable weights (an infinite logit): the raw argmax, where it sits
   } else {
     RowSampler<Blk> s{b, w, r, zmax, f[kUniform]};
@@ -650,7 +655,8 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
       if (min_p > 0.f) {
         token = s.draw_dense(cut);
       } else {  // plain temperature: the first pass already holds each chunk's weight
-        const double weight = mine.z.m == -INFINITY ? 0.0 : static_cast<double>(mine.z.s) * expf(mine.z.m - zmax);
+        const double weight =
+            mine.z.m == -INFINITY ? 0.0 : mine.z.s * static_cast<double>(expf(mine.z.m - zmax));
         token = s.draw_chunks(weight, cut);
       }
     } else {
