@@ -2,15 +2,20 @@
 
     python -m core.benchmarks.sampler [--batch 256] [--vocab 128256] [--repeats 5]
                                       [--top-p-candidates N] [--threads N]
-                                      [--device cuda --pinned]
+    python -m core.benchmarks.sampler --device cuda [--batches 1,64,256] [--output-json F]
 
 Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``peaked``
 (Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
 of tens of tokens) and ``flat`` (pure Gaussian, nuclei of tens of thousands of tokens: the
 worst case for top-p). ``--top-p-candidates 0`` switches the top-p candidate search off
-(always a full sort), to compare with the textbook method. ``--device cuda --pinned`` runs it
-on a GPU the way the model runner does there (page-locked staging, no read-back before the
-result's).
+(always a full sort), to compare with the textbook method.
+
+``--device cuda`` runs the GPU grid instead: batches 1/64/256 x vocab 128256 x the GPU mixes
+(greedy, temperature 1, top-p 0.9 + top-k 50, penalties), the torch pipeline ("torch")
+against the fused kernel ("kernel", csrc/sampling), both with the model runner's pinned
+staging. Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
+the read-back); ``device_ms``, the GPU time of ``Sampler.draw`` alone, measured with CUDA
+events behind a queued sleep kernel so that the host's launch time is not counted.
 """
 
 from __future__ import annotations
@@ -120,6 +125,59 @@ def primitives(batch: int, vocab: int, repeats: int) -> list[tuple[str, tuple[fl
     return [(name, time_fn(fn, repeats)) for name, fn in cases.items()]
 
 
+GPU_MIXES: dict[str, Callable[[int], SamplingParams]] = {
+    "greedy": lambda i: SamplingParams(temperature=0.0),
+    "temperature 1": lambda i: SamplingParams(temperature=1.0),
+    "top_p 0.9 + top_k 50": lambda i: SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
+    "penalties (top_k 50 + rep/pres/freq)": MIXES["top_k 50 + rep/pres/freq penalties"],
+}
+
+
+def device_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median GPU time of ``fn`` between two CUDA events, the host running ahead behind a
+    sleep kernel so that launch gaps are not counted."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the host queues fn meanwhile
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gpu_grid(args: argparse.Namespace) -> list[dict]:
+    """The torch pipeline against the fused kernel on the GPU (see the module docstring)."""
+    from platforms.cuda.sampling import CudaSamplingKernel
+
+    paths = {
+        "torch": lambda: Sampler(frozenset({0}), seed=0, staging=Staging(pinned=True)),
+        "kernel": lambda: Sampler(frozenset({0}), seed=0, staging=Staging(pinned=True),
+                                  kernel=CudaSamplingKernel()),
+    }
+    print(f"{'logits':7s} {'batch':>5s} {'mix':38s} {'path':6s} {'wall ms':>8s} {'device ms':>9s}")
+    results = []
+    for shape in args.shapes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            logits = make_logits(batch, args.vocab, shape).to(args.device)
+            for name, make in GPU_MIXES.items():
+                if args.mixes and not any(m in name for m in args.mixes.split(",")):
+                    continue
+                rows = make_rows(batch, args.vocab, make)
+                for path, build in paths.items():
+                    sampler = build()
+                    wall, _ = time_fn(lambda s=sampler, x=logits, r=rows: s(x, r), args.repeats)
+                    dev = device_ms(lambda s=sampler, x=logits, r=rows: s.draw(x, r), args.repeats)
+                    results.append({"logits": shape, "batch": batch, "vocab": args.vocab,
+                                     "mix": name, "path": path, "wall_ms": wall * 1e3,
+                                     "device_ms": dev})
+                    print(f"{shape:7s} {batch:5d} {name:38s} {path:6s} {wall * 1e3:8.3f} {dev:9.3f}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -132,10 +190,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--device", default="cpu", help="torch device of the logits")
     ap.add_argument("--pinned", action="store_true", help="page-locked staging (accelerators)")
+    ap.add_argument("--batches", default="1,64,256", help="GPU grid: comma-separated batches")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        if args.repeats == 5:
+            args.repeats = 20
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vocab {args.vocab}, "
+              f"median of {args.repeats}; load average {os.getloadavg()}")
+        results = gpu_grid(args)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     sampler = Sampler(frozenset({0}), seed=0, top_p_candidates=args.top_p_candidates,
                       staging=Staging(pinned=args.pinned))
     print(
