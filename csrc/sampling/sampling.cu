@@ -1,5 +1,6 @@
 // The fused sampler on the GPU: one block of kSampleThreads threads per row runs
 // core_sampling::sample_row (see sample_row.cuh for the algorithm and its semantics).
+#include "../cuda_compat.h"
 #include "sampling.h"
 
 namespace core_kernels {

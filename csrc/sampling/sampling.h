@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-#include "../cuda_compat.h"
+#include "../launchers.h"  // the runtime API (cudaError_t, cudaStream_t), CUDA or HIP
 #include "sample_row.cuh"
 
 namespace core_kernels {
