@@ -2,7 +2,8 @@
 
     python -m core.benchmarks.sampler [--batch 256] [--vocab 128256] [--repeats 5]
                                       [--top-p-candidates N] [--threads N]
-    python -m core.benchmarks.sampler --device cuda [--batches 1,64,256] [--output-json F]
+    python -m core.benchmarks.sampler --grid [--platform cuda] [--batches 1,64,256]
+                                      [--repeats 20] [--output-json F]
 
 Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``peaked``
 (Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
@@ -10,12 +11,13 @@ of tens of tokens) and ``flat`` (pure Gaussian, nuclei of tens of thousands of t
 worst case for top-p). ``--top-p-candidates 0`` switches the top-p candidate search off
 (always a full sort), to compare with the textbook method.
 
-``--device cuda`` runs the GPU grid instead: batches 1/64/256 x vocab 128256 x the GPU mixes
-(greedy, temperature 1, top-p 0.9 + top-k 50, penalties), the torch pipeline ("torch")
-against the fused kernel ("kernel", csrc/sampling), both with the model runner's pinned
-staging. Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
-the read-back); ``device_ms``, the GPU time of ``Sampler.draw`` alone, measured with CUDA
-events behind a queued sleep kernel so that the host's launch time is not counted.
+``--grid`` runs the accelerator grid instead, on the selected platform's device: batches
+1/64/256 x vocab 128256 x the grid's mixes (greedy, temperature 1, top-p 0.9 + top-k 50,
+penalties), the torch pipeline ("torch") against the platform's fused sampling kernel
+("kernel", from its op table: csrc/sampling on CUDA), both staged as the model runner stages
+them. Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
+the read-back); ``device_ms``, the device time of ``Sampler.draw`` alone, between two events
+queued behind ~50 ms of matmuls so that the host's launch time is not counted.
 """
 
 from __future__ import annotations
@@ -133,47 +135,77 @@ GPU_MIXES: dict[str, Callable[[int], SamplingParams]] = {
 }
 
 
-def device_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median GPU time of ``fn`` between two CUDA events, the host running ahead behind a
-    sleep kernel so that launch gaps are not counted."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the host queues fn meanwhile
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+class DeviceClock:
+    """GPU-side time of queued work on an accelerator, through torch's device-generic events.
+    The host runs ahead behind a queue of matmuls (~50 ms of device work), so the measured
+    interval holds device time only, not the host's launch gaps."""
+
+    def __init__(self, device: torch.device, sync: Callable[[], None]):
+        self.device, self.sync = device, sync
+        self.a = torch.randn(2048, 2048, device=device)
+        self.out = torch.empty_like(self.a)
+        self.sync()
+        t = time.perf_counter()
+        for _ in range(5):
+            torch.mm(self.a, self.a, out=self.out)
+        self.sync()
+        self.busy = max(1, int(0.05 / max((time.perf_counter() - t) / 5, 1e-6)))
+        try:  # a host device has no events: its device time is the synchronised wall time
+            torch.Event(device=device, enable_timing=True).record()
+            self.events = True
+        except RuntimeError:
+            self.events = False
+
+    def median_ms(self, fn: Callable[[], object], repeats: int) -> float:
+        if not self.events:
+            return 1e3 * time_fn(lambda: (fn(), self.sync()), repeats)[0]
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            for _ in range(self.busy):
+                torch.mm(self.a, self.a, out=self.out)
+            start = torch.Event(device=self.device, enable_timing=True)
+            end = torch.Event(device=self.device, enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
 
 
-def gpu_grid(args: argparse.Namespace) -> list[dict]:
-    """The torch pipeline against the fused kernel on the GPU (see the module docstring)."""
-    from platforms.cuda.sampling import CudaSamplingKernel
+def device_grid(args: argparse.Namespace) -> list[dict]:
+    """The torch pipeline against the platform's fused kernel (see the module docstring)."""
+    from core.ops import Ops
+    from core.platform import Capability
+    from core.plugins import load_plugins
 
-    paths = {
-        "torch": lambda: Sampler(frozenset({0}), seed=0, staging=Staging(pinned=True)),
-        "kernel": lambda: Sampler(frozenset({0}), seed=0, staging=Staging(pinned=True),
-                                  kernel=CudaSamplingKernel()),
-    }
+    plugins = load_plugins()
+    info = plugins.select(args.platform)
+    platform = info.cls()
+    device = platform.device()
+    caps = platform.capabilities
+    stage = Staging(pinned=Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps)
+    kernel = Ops({**platform.ops(), **plugins.op_overrides(info.name)}).sampling_kernel
+    paths = {"torch": {}, "kernel": {"kernel": kernel}}
+    clock = DeviceClock(device, platform.synchronize)
+    print(f"platform {info.name}, device {device}, kernel {kernel!r}, staging {stage}")
     print(f"{'logits':7s} {'batch':>5s} {'mix':38s} {'path':6s} {'wall ms':>8s} {'device ms':>9s}")
     results = []
     for shape in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            logits = make_logits(batch, args.vocab, shape).to(args.device)
+            logits = make_logits(batch, args.vocab, shape).to(device)
             for name, make in GPU_MIXES.items():
                 if args.mixes and not any(m in name for m in args.mixes.split(",")):
                     continue
                 rows = make_rows(batch, args.vocab, make)
-                for path, build in paths.items():
-                    sampler = build()
-                    wall, _ = time_fn(lambda s=sampler, x=logits, r=rows: s(x, r), args.repeats)
-                    dev = device_ms(lambda s=sampler, x=logits, r=rows: s.draw(x, r), args.repeats)
-                    results.append({"logits": shape, "batch": batch, "vocab": args.vocab,
-                                     "mix": name, "path": path, "wall_ms": wall * 1e3,
-                                     "device_ms": dev})
+                for path, extra in paths.items():
+                    s = Sampler(frozenset({0}), seed=0, staging=stage, **extra)
+                    wall, _ = time_fn(lambda s=s, x=logits, r=rows: s(x, r), args.repeats)
+                    dev = clock.median_ms(lambda s=s, x=logits, r=rows: s.draw(x, r), args.repeats)
+                    results.append({"platform": info.name, "logits": shape, "batch": batch,
+                                    "vocab": args.vocab, "mix": name, "path": path,
+                                    "wall_ms": wall * 1e3, "device_ms": dev})
                     print(f"{shape:7s} {batch:5d} {name:38s} {path:6s} {wall * 1e3:8.3f} {dev:9.3f}")
     return results
 
@@ -190,17 +222,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--device", default="cpu", help="torch device of the logits")
     ap.add_argument("--pinned", action="store_true", help="page-locked staging (accelerators)")
-    ap.add_argument("--batches", default="1,64,256", help="GPU grid: comma-separated batches")
+    ap.add_argument("--grid", action="store_true",
+                    help="accelerator grid: torch pipeline vs the platform's fused kernel")
+    ap.add_argument("--platform", default=None, help="grid: platform name (default: selected)")
+    ap.add_argument("--batches", default="1,64,256", help="grid: comma-separated batch sizes")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda"):
-        if args.repeats == 5:
-            args.repeats = 20
-        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vocab {args.vocab}, "
-              f"median of {args.repeats}; load average {os.getloadavg()}")
-        results = gpu_grid(args)
+    if args.grid:
+        print(f"torch {torch.__version__}, vocab {args.vocab}, median of {args.repeats}; "
+              f"load average {os.getloadavg()}")
+        results = device_grid(args)
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump(results, f, indent=2)
