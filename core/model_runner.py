@@ -93,7 +93,9 @@ class ModelRunner:
         caps = self.platform.capabilities
         # Page-locked staging only pays where the device has memory of its own.
         self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
-        self.sampler = Sampler(eos_token_ids, staging=Staging(pinned=self.pin_host))
+        self.sampler = Sampler(
+            eos_token_ids, staging=Staging(pinned=self.pin_host), kernel=setup.ops.sampling_kernel
+        )
         self.pooling = PoolingState()
         self.batch = PersistentBatch(
             max_rows=self.config.scheduler.max_num_seqs,

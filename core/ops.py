@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from core.sampler.kernel import NO_KERNEL
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, result in ``x``'s dtype. x: [..., hidden]."""
@@ -129,6 +131,9 @@ DEFAULT_OPS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType(
         "rotary_embedding": rotary_embedding,
         "lm_head": lm_head,
         "fused_moe": fused_moe,
+        # Not a layer op: the sampler's fused kernel (core.sampler.kernel.SamplingKernel);
+        # the default accepts nothing, so the sampler's torch pipeline runs.
+        "sampling_kernel": NO_KERNEL,
     }
 )
 

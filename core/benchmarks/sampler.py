@@ -2,15 +2,22 @@
 
     python -m core.benchmarks.sampler [--batch 256] [--vocab 128256] [--repeats 5]
                                       [--top-p-candidates N] [--threads N]
-                                      [--device cuda --pinned]
+    python -m core.benchmarks.sampler --grid [--platform cuda] [--batches 1,64,256]
+                                      [--repeats 20] [--output-json F]
 
 Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``peaked``
 (Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
 of tens of tokens) and ``flat`` (pure Gaussian, nuclei of tens of thousands of tokens: the
 worst case for top-p). ``--top-p-candidates 0`` switches the top-p candidate search off
-(always a full sort), to compare with the textbook method. ``--device cuda --pinned`` runs it
-on a GPU the way the model runner does there (page-locked staging, no read-back before the
-result's).
+(always a full sort), to compare with the textbook method.
+
+``--grid`` runs the accelerator grid instead, on the selected platform's device: batches
+1/64/256 x vocab 128256 x the grid's mixes (greedy, temperature 1, top-p 0.9 + top-k 50,
+penalties), the torch pipeline ("torch") against the platform's fused sampling kernel
+("kernel", from its op table: csrc/sampling on CUDA), both staged as the model runner stages
+them. Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
+the read-back); ``device_ms``, the device time of ``Sampler.draw`` alone, between two events
+queued behind ~50 ms of matmuls so that the host's launch time is not counted.
 """
 
 from __future__ import annotations
@@ -120,6 +127,89 @@ def primitives(batch: int, vocab: int, repeats: int) -> list[tuple[str, tuple[fl
     return [(name, time_fn(fn, repeats)) for name, fn in cases.items()]
 
 
+GPU_MIXES: dict[str, Callable[[int], SamplingParams]] = {
+    "greedy": lambda i: SamplingParams(temperature=0.0),
+    "temperature 1": lambda i: SamplingParams(temperature=1.0),
+    "top_p 0.9 + top_k 50": lambda i: SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
+    "penalties (top_k 50 + rep/pres/freq)": MIXES["top_k 50 + rep/pres/freq penalties"],
+}
+
+
+class DeviceClock:
+    """GPU-side time of queued work on an accelerator, through torch's device-generic events.
+    The host runs ahead behind a queue of matmuls (~50 ms of device work), so the measured
+    interval holds device time only, not the host's launch gaps."""
+
+    def __init__(self, device: torch.device, sync: Callable[[], None]):
+        self.device, self.sync = device, sync
+        self.a = torch.randn(2048, 2048, device=device)
+        self.out = torch.empty_like(self.a)
+        self.sync()
+        t = time.perf_counter()
+        for _ in range(5):
+            torch.mm(self.a, self.a, out=self.out)
+        self.sync()
+        self.busy = max(1, int(0.05 / max((time.perf_counter() - t) / 5, 1e-6)))
+        try:  # a host device has no events: its device time is the synchronised wall time
+            torch.Event(device=device, enable_timing=True).record()
+            self.events = True
+        except RuntimeError:
+            self.events = False
+
+    def median_ms(self, fn: Callable[[], object], repeats: int) -> float:
+        if not self.events:
+            return 1e3 * time_fn(lambda: (fn(), self.sync()), repeats)[0]
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            for _ in range(self.busy):
+                torch.mm(self.a, self.a, out=self.out)
+            start = torch.Event(device=self.device, enable_timing=True)
+            end = torch.Event(device=self.device, enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def device_grid(args: argparse.Namespace) -> list[dict]:
+    """The torch pipeline against the platform's fused kernel (see the module docstring)."""
+    from core.ops import Ops
+    from core.platform import Capability
+    from core.plugins import load_plugins
+
+    plugins = load_plugins()
+    info = plugins.select(args.platform)
+    platform = info.cls()
+    device = platform.device()
+    caps = platform.capabilities
+    stage = Staging(pinned=Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps)
+    kernel = Ops({**platform.ops(), **plugins.op_overrides(info.name)}).sampling_kernel
+    paths = {"torch": {}, "kernel": {"kernel": kernel}}
+    clock = DeviceClock(device, platform.synchronize)
+    print(f"platform {info.name}, device {device}, kernel {kernel!r}, staging {stage}")
+    print(f"{'logits':7s} {'batch':>5s} {'mix':38s} {'path':6s} {'wall ms':>8s} {'device ms':>9s}")
+    results = []
+    for shape in args.shapes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            logits = make_logits(batch, args.vocab, shape).to(device)
+            for name, make in GPU_MIXES.items():
+                if args.mixes and not any(m in name for m in args.mixes.split(",")):
+                    continue
+                rows = make_rows(batch, args.vocab, make)
+                for path, extra in paths.items():
+                    s = Sampler(frozenset({0}), seed=0, staging=stage, **extra)
+                    wall, _ = time_fn(lambda s=s, x=logits, r=rows: s(x, r), args.repeats)
+                    dev = clock.median_ms(lambda s=s, x=logits, r=rows: s.draw(x, r), args.repeats)
+                    results.append({"platform": info.name, "logits": shape, "batch": batch,
+                                    "vocab": args.vocab, "mix": name, "path": path,
+                                    "wall_ms": wall * 1e3, "device_ms": dev})
+                    print(f"{shape:7s} {batch:5d} {name:38s} {path:6s} {wall * 1e3:8.3f} {dev:9.3f}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -132,10 +222,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--device", default="cpu", help="torch device of the logits")
     ap.add_argument("--pinned", action="store_true", help="page-locked staging (accelerators)")
+    ap.add_argument("--grid", action="store_true",
+                    help="accelerator grid: torch pipeline vs the platform's fused kernel")
+    ap.add_argument("--platform", default=None, help="grid: platform name (default: selected)")
+    ap.add_argument("--batches", default="1,64,256", help="grid: comma-separated batch sizes")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.grid:
+        print(f"torch {torch.__version__}, vocab {args.vocab}, median of {args.repeats}; "
+              f"load average {os.getloadavg()}")
+        results = device_grid(args)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     sampler = Sampler(frozenset({0}), seed=0, top_p_candidates=args.top_p_candidates,
                       staging=Staging(pinned=args.pinned))
     print(

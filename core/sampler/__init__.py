@@ -3,8 +3,9 @@
 One module per stage: :mod:`~core.sampler.rows` (the narrow row type and per-call
 parameters), :mod:`~core.sampler.processors` (min_tokens, logit bias, penalties),
 :mod:`~core.sampler.filters` (top-k, top-p, min-p), :mod:`~core.sampler.draw` (uniforms and
-the inverse CDF), :mod:`~core.sampler.logprobs`, and :mod:`~core.sampler.sampler` (the
-pipeline).
+the inverse CDF), :mod:`~core.sampler.logprobs`, :mod:`~core.sampler.sampler` (the
+pipeline), and :mod:`~core.sampler.kernel` (the contract of a platform's fused kernel that
+replaces the pipeline in one launch, e.g. csrc/sampling on CUDA).
 """
 
 from core.sampler.logprobs import prompt_logprobs

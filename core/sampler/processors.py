@@ -16,7 +16,7 @@ import torch
 from core.sampler.rows import SampleRow, SamplingBatch
 
 
-def _flat_ids(
+def flat_ids(
     rows: Sequence[SampleRow],
     picks: Sequence[int],
     ids_of: Callable[[SampleRow], Sequence[int]],
@@ -37,10 +37,11 @@ def _flat_ids(
     return r, c
 
 
-def mask_min_tokens(
-    logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int], batch: SamplingBatch
-) -> None:
-    """EOS and stop tokens cannot be chosen before ``min_tokens`` tokens exist."""
+def min_tokens_pairs(
+    rows: Sequence[SampleRow], picks: Sequence[int], eos: frozenset[int], vocab_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) pairs that ``min_tokens`` masks in the rows ``picks``: each row's stop
+    ids, plus EOS unless it ignores EOS."""
 
     def stops(row: SampleRow) -> list[int]:
         ids = set(row.params.stop_token_ids)
@@ -48,10 +49,17 @@ def mask_min_tokens(
             ids |= eos
         return sorted(ids)
 
+    return flat_ids(rows, picks, stops, vocab_size, "stop_token_ids / eos_token_ids")
+
+
+def mask_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SampleRow], eos: frozenset[int], batch: SamplingBatch
+) -> None:
+    """EOS and stop tokens cannot be chosen before ``min_tokens`` tokens exist."""
     picks = [i for i, r in enumerate(rows) if r.output_index < r.params.min_tokens]
     if not picks:
         return
-    r, c = _flat_ids(rows, picks, stops, logits.shape[1], "stop_token_ids / eos_token_ids")
+    r, c = min_tokens_pairs(rows, picks, eos, logits.shape[1])
     dev = logits.device
     # A Python-float value would be copied to the device from pageable memory (a sync);
     # a device scalar made by a fill kernel is not.
@@ -65,7 +73,7 @@ def add_logit_bias(
     picks = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if not picks:
         return
-    r, c = _flat_ids(rows, picks, lambda row: list(row.params.logit_bias), logits.shape[1],
+    r, c = flat_ids(rows, picks, lambda row: list(row.params.logit_bias), logits.shape[1],
                      "logit_bias")
     bias = [v for i in picks for v in rows[i].params.logit_bias.values()]
     dev = logits.device
@@ -86,7 +94,7 @@ def apply_penalties(
     check_history(rows)
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
-        r, c = _flat_ids(rows, rep, lambda row: [*row.prompt_token_ids, *row.output_token_ids],
+        r, c = flat_ids(rows, rep, lambda row: [*row.prompt_token_ids, *row.output_token_ids],
                          vocab, "token history")
         key = np.unique(r * vocab + c)
         r_t, c_t = batch.stage(key // vocab, torch.int64, dev), batch.stage(key % vocab, torch.int64, dev)
@@ -99,7 +107,7 @@ def apply_penalties(
         if (row.params.presence_penalty or row.params.frequency_penalty) and row.output_token_ids
     ]
     if pf:
-        r, c = _flat_ids(rows, pf, lambda row: row.output_token_ids, vocab, "output token history")
+        r, c = flat_ids(rows, pf, lambda row: row.output_token_ids, vocab, "output token history")
         key, counts = np.unique(r * vocab + c, return_counts=True)
         r_t, c_t = batch.stage(key // vocab, torch.int64, dev), batch.stage(key % vocab, torch.int64, dev)
         freq = _per_row(rows, "frequency_penalty", batch)[r_t]

@@ -18,6 +18,10 @@ same order):
 
 Logprobs (:mod:`core.sampler.logprobs`) are of the raw model logits.
 
+A platform's fused kernel (``Sampler(kernel=...)``, :mod:`core.sampler.kernel`) replaces
+steps 1-7 and the logsumexp with one launch where it accepts the logits; the torch pipeline
+below is the reference it follows and runs everywhere else.
+
 With ``Staging(pinned=True)`` (a device with memory of its own that can pin host memory) the
 sampler does not wait for the device until it reads the result: which stages run and on
 which rows is decided from the rows' parameters on the host, host values reach the device
@@ -37,6 +41,7 @@ import torch
 from core.outputs import Logprob
 from core.sampler.draw import inverse_cdf, logsumexp, seeded_uniform
 from core.sampler.filters import apply_filters
+from core.sampler.kernel import NO_KERNEL, SamplingKernel, pack
 from core.sampler.logprobs import top_logprobs
 from core.sampler.processors import add_logit_bias, apply_penalties, mask_min_tokens
 from core.sampler.rows import SampleRow, SamplingBatch, Scratch, Staging
@@ -90,6 +95,7 @@ class Sampler:
         sort, the textbook method). The result is the same either way. Default: 256, or 0
         with pinned staging (the check would wait for the device).
     :param staging: how host values reach the logits' device (see the module docstring).
+    :param kernel: the platform's fused sampling kernel, used for the logits it accepts.
     """
 
     def __init__(
@@ -98,8 +104,10 @@ class Sampler:
         seed: int | None = None,
         top_p_candidates: int | None = None,
         staging: Staging = PLAIN,
+        kernel: SamplingKernel = NO_KERNEL,
     ):
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.kernel = kernel
         if top_p_candidates is None:
             top_p_candidates = 0 if staging.pinned else TOP_P_CANDIDATES
         self.top_p_candidates = top_p_candidates
@@ -138,6 +146,8 @@ class Sampler:
         if not rows:
             empty = torch.empty(0, dtype=torch.int64, device=logits.device)
             return Drawn(logits, empty, empty.float(), empty.float())
+        # Stages on the logits that both paths below share (structured output's grammar
+        # bitmask) go here, on the logits' device.
         tokens, logprobs, lse = self._sample(logits, rows)
         return Drawn(logits, tokens, logprobs, lse)
 
@@ -170,6 +180,8 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SampleRow]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, raw logprobs of the tokens, logsumexp per row), all on the device."""
+        if self.kernel.accepts(logits):
+            return self._fused(logits, rows)
         batch = SamplingBatch.build(rows, logits.shape[1], logits.device, self.staging)
         top, argmax = logits.max(dim=-1)
         lse = logsumexp(logits, top, self._ws.get("exp", logits.shape, logits))
@@ -179,6 +191,16 @@ class Sampler:
             tokens = self._choose(logits, rows, batch, top, argmax)
             chosen = logits.gather(1, tokens[:, None])[:, 0]
         return tokens, chosen - lse, lse
+
+    def _fused(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The platform kernel's draw, from the same uniform numbers the torch pipeline
+        would use (so the generator advances alike on either path)."""
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        u = self._uniforms([rows[i] for i in random]).tolist() if random else []
+        inputs = pack(rows, logits.shape[1], self.eos_token_ids, dict(zip(random, u)))
+        return self.kernel(logits, inputs.to(logits.device, self.staging))
 
     def distribution(
         self,

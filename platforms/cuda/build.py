@@ -34,7 +34,7 @@ NVCC_FLAGS = ("-O3", "-lineinfo")
 """Target architectures come from torch (TORCH_CUDA_ARCH_LIST, else the visible GPUs),
 so a JIT build on an H200 compiles exactly sm_90 and nothing else."""
 CXX_FLAGS = ("-O3",)
-OPS = ("reshape_and_cache", "paged_decode", "copy_blocks", "swap_blocks")
+OPS = ("reshape_and_cache", "paged_decode", "copy_blocks", "swap_blocks", "sample_rows")
 """Checked in the builder before a JIT build is cached."""
 
 

@@ -16,6 +16,7 @@ import torch
 from core import ops as reference
 from platforms.cuda.build import load_ops
 from platforms.cuda.moe import fused_moe
+from platforms.cuda.sampling import CudaSamplingKernel
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -107,4 +108,5 @@ def cuda_ops() -> dict[str, Callable[..., Any]]:
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
         "fused_moe": fused_moe,
+        "sampling_kernel": CudaSamplingKernel(),
     }

@@ -1,6 +1,13 @@
 """The sampler on the GPU: it must not wait for the device before its single read-back, and
-it must draw the same tokens as on the CPU from the same logits and seeds. The GPU samplers
-here stage host values as the model runner does on CUDA (``Staging(pinned=True)``).
+it must draw the CPU's tokens from the same logits and seeds. The GPU samplers here stage
+host values as the model runner does on CUDA (``Staging(pinned=True)``).
+
+Two paths: the torch pipeline on CUDA tensors (``Sampler(staging=PINNED)``), and the fused
+kernel the CUDA platform plugs in (``kernel=CudaSamplingKernel()``, csrc/sampling; what
+the model runner uses). The kernel follows the CPU's definitions in float32/float64 with
+its own summation order, so its token is the CPU's except where the draw lands within
+rounding of a token boundary: :func:`assert_inverse_cdf_tokens` accepts a different token
+only when the row's uniform number lies within 1e-5 of that token's CDF interval.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda_sampler.py``
 (part of ``tests/envs/cuda.sh``).
@@ -8,6 +15,7 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -15,7 +23,7 @@ import torch
 
 from core.sampler import Sampler, Staging
 from core.sampling_params import SamplingParams
-from tests.unit.test_sampler import row
+from tests.unit.test_sampler import chi_square, row
 
 pytestmark = [
     pytest.mark.cuda,
@@ -122,3 +130,177 @@ def test_gpu_draws_the_cpu_tokens(params: SamplingParams) -> None:
     torch.testing.assert_close(
         torch.tensor(gpu.logprobs), torch.tensor(cpu.logprobs), rtol=1e-5, atol=1e-5
     )
+
+
+# ---- the fused kernel (csrc/sampling) -----------------------------------------------------
+
+
+def kernel():
+    from platforms.cuda.sampling import CudaSamplingKernel
+
+    return CudaSamplingKernel()
+
+
+def assert_inverse_cdf_tokens(logits, rows, seed, got_tokens, eos=frozenset({2}), calls=0) -> int:
+    """Each token is the inverse-CDF token of the CPU's distribution at the row's uniform
+    number, within 1e-5 of CDF; returns how many differ from the CPU's own token. ``calls``:
+    how many calls on the same rows the GPU sampler made before (its generator advanced)."""
+    logits = logits.cpu()
+    cpu, draws = Sampler(eos, seed=seed), Sampler(eos, seed=seed)
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    for _ in range(calls):
+        cpu(logits, rows)
+        if random:
+            draws._uniforms([rows[i] for i in random])
+    want = cpu(logits, rows).token_ids
+    dist = Sampler(eos).distribution(logits, rows).double()
+    u = dict(zip(random, draws._uniforms([rows[i] for i in random]).tolist())) if random else {}
+    differ = 0
+    for i, (g, w) in enumerate(zip(got_tokens, want)):
+        if g == w:
+            continue
+        differ += 1
+        assert i in u, f"greedy row {i}: GPU {g}, CPU {w}"
+        cdf = dist[i].cumsum(0)
+        lo = float(cdf[g] - dist[i, g])
+        assert dist[i, g] > 0, f"row {i}: GPU drew token {g}, which has no weight"
+        assert lo - 1e-5 <= u[i] < float(cdf[g]) + 1e-5, (i, g, w, u[i], lo, float(cdf[g]))
+    return differ
+
+
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_kernel_does_not_wait_for_the_device(name: str) -> None:
+    rows = rows_for(SYNC_FREE[name])
+    logits = logits_for(len(rows), seed=len(name)).cuda()
+    sampler = Sampler(frozenset({2}), seed=0, staging=PINNED, kernel=kernel())
+    sampler.sample_tensors(logits, rows)  # warm-up: JIT build, allocator, pinned pools
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, logprobs = sampler.sample_tensors(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert assert_inverse_cdf_tokens(logits, rows, 0, tokens.cpu().tolist(), calls=1) == 0
+    want_logprobs = torch.log_softmax(logits.cpu(), dim=-1).gather(1, tokens.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.cpu(), want_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_a_kernel_call_reads_back_once(name: str) -> None:
+    rows = rows_for(SYNC_FREE[name])
+    logits = logits_for(len(rows), seed=1).cuda()
+    sampler = Sampler(frozenset({2}), seed=0, staging=PINNED, kernel=kernel())
+    sampler(logits, rows)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sampler(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_kernel_matches_the_cpu_on_mixed_batches() -> None:
+    # tests/unit/test_sampler_exact's 320 random batches: every parameter, ties, vocab 50-3000.
+    from tests.unit.test_sampler_exact import EOS, _batch
+
+    differ = total = 0
+    for seed in range(320):
+        logits, rows = _batch(seed)
+        gpu = Sampler(frozenset({EOS}), seed=seed, staging=PINNED, kernel=kernel())
+        out = gpu(logits.cuda(), rows)
+        raw = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(out.logprobs), raw[:, 0], rtol=1e-5, atol=1e-5)
+        differ += assert_inverse_cdf_tokens(logits, rows, seed, out.token_ids, frozenset({EOS}))
+        total += len(rows)
+    assert differ <= total // 1000, f"{differ} of {total} tokens differ (rounding boundaries)"
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+        SamplingParams(temperature=0.7, min_p=0.05),
+        SamplingParams(top_k=50, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3),
+    ],
+    ids=["greedy", "t1", "topp", "topk-topp", "minp", "penalties"],
+)
+def test_kernel_at_llama3_vocab_and_batch_256(shape: str, params: SamplingParams) -> None:
+    """Batch 256 x vocab 128256 (16-byte loads, 252-token chunks): the benchmark's shapes."""
+    from core.benchmarks.sampler import make_logits, make_rows
+
+    logits = make_logits(256, 128256, shape)
+    rows = make_rows(256, 128256, lambda i: params)
+    out = Sampler(frozenset({0}), seed=9, staging=PINNED, kernel=kernel())(logits.cuda(), rows)
+    differ = assert_inverse_cdf_tokens(logits, rows, 9, out.token_ids, frozenset({0}))
+    assert differ <= 2, differ
+    raw = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out.token_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(out.logprobs), raw[:, 0], rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_fallback_paths() -> None:
+    from tests.unit.test_sampler_kernel import FALLBACKS
+
+    for name, (make, params) in FALLBACKS.items():
+        logits = make(torch.Generator().manual_seed(len(name)))
+        rows = [row(params, output_index=i) for i in range(logits.shape[0])]
+        out = Sampler(seed=5, staging=PINNED, kernel=kernel())(logits.cuda(), rows)
+        assert assert_inverse_cdf_tokens(logits, rows, 5, out.token_ids) == 0, name
+
+
+def test_kernel_frequencies_follow_the_distribution() -> None:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1, 32000, generator=g) * 2.0
+    base[0, :10] += torch.linspace(6.0, 3.0, 10)
+    n = 20000
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)):
+        rows = [row(params) for _ in range(n)]
+        logits = base.expand(n, -1).contiguous()
+        tokens = Sampler(seed=11, staging=PINNED, kernel=kernel())(logits.cuda(), rows).token_ids
+        probs = Sampler().distribution(base, rows[:1])[0]
+        top = probs.argsort(descending=True)[:11].tolist()
+        p = [float(probs[t]) for t in top]
+        p.append(max(1.0 - sum(p), 0.0))
+        counts = collections.Counter(t if t in top else -1 for t in tokens)
+        pairs = [(counts[t], q) for t, q in zip([*top, -1], p) if q > 1e-9]
+        assert all(float(probs[t]) > 0 for t in set(tokens))
+        # <= 11 degrees of freedom: P(chi2 > 60) < 1e-8; the seed fixes the outcome anyway.
+        assert chi_square([c for c, _ in pairs], [q for _, q in pairs]) < 60
+
+
+def test_kernel_greedy_top_k_1_and_padded_vocab() -> None:
+    g = torch.Generator().manual_seed(8)
+    padded = torch.randn(64, 128264, generator=g) * 4
+    padded[:, 128256:] = 100.0  # padding columns of the LM head: never sampled
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(32)]
+    rows += [row(SamplingParams(temperature=0.8, top_k=1, seed=i)) for i in range(32)]
+    out = Sampler(staging=PINNED, kernel=kernel())(padded.cuda(), rows, vocab_size=128256)
+    assert out.token_ids == padded[:, :128256].argmax(dim=-1).tolist()
+    rows = [row(SamplingParams(temperature=1.5, seed=i)) for i in range(64)]
+    out = Sampler(staging=PINNED, kernel=kernel())(padded.cuda(), rows, vocab_size=128256)
+    assert max(out.token_ids) < 128256
+
+
+def test_kernel_seeded_rows_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(4)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+    others = [SamplingParams(temperature=0.0), SamplingParams(top_k=7), SamplingParams(min_p=0.2),
+              SamplingParams(repetition_penalty=1.3, logit_bias={3: 5.0})] * 8
+    tokens = []
+    for step in range(10):
+        logits = torch.randn(33, 128256, generator=g).cuda() * 2.5
+        pos = (7 * step) % 33
+        batch = [row(p, (1, 2), (4, 5)) for p in others]
+        batch.insert(pos, row(seeded, (1, 2), (4, 5)))
+        alone = Sampler(seed=1, staging=PINNED, kernel=kernel())(logits[pos:pos + 1].clone(), [batch[pos]])
+        mixed = Sampler(seed=2, staging=PINNED, kernel=kernel())(logits, batch)
+        assert alone.token_ids[0] == mixed.token_ids[pos]
+        tokens.append(alone.token_ids[0])
+    assert len(set(tokens)) > 3

@@ -1,0 +1,172 @@
+"""The contract of a fused sampling kernel: one call turns a step's logits into tokens.
+
+A platform may supply a :class:`SamplingKernel` (the ``sampling_kernel`` entry of its op
+table; the CUDA platform's is ``csrc/sampling``). :meth:`Sampler.draw
+<core.sampler.Sampler.draw>` then packs the rows' parameters here, on the host, into three
+small tensors that reach the device without waiting for it, and makes one kernel call
+instead of the torch pipeline's dozens of launches. Where no kernel is supplied, or it
+declines the logits, the torch pipeline runs.
+
+The kernel computes what the torch pipeline computes (same processors, same order, same
+cut-off definitions, inverse CDF in vocabulary order from the same uniform number per row),
+up to float rounding; see csrc/sampling/sample_row.cuh. A token therefore matches the
+torch pipeline's except where a rounding difference moves a cut-off or the draw across a
+token boundary: seeded draws are reproducible per platform, and equal across platforms
+with overwhelming probability, not by contract.
+
+Packed layout (mirrored by the ``RowF`` / ``RowI`` / ``EditField`` enums of the kernel):
+
+* ``rowf`` [B, 8] float64: temperature (0 = greedy), top_p, min_p, repetition, frequency
+  and presence penalties, the row's uniform number, unused.
+* ``rowi`` [B, 4] int32: top_k (0 = off), first and end index of the row's edits, unused.
+* ``edits`` [E, 4] int32: one (row, token) pair a processor changes, rows in order and
+  tokens ascending within a row: token, count in the output (presence/frequency), flags
+  (1: masked by min_tokens, 2: in the repetition history), logit bias (float32 bits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from core.sampler.processors import check_history, flat_ids, min_tokens_pairs
+from core.sampler.rows import SampleRow, Staging
+
+TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, UNIFORM = range(7)
+ROW_F = 8
+TOP_K, EDIT_BEGIN, EDIT_END = range(3)
+ROW_I = 4
+EDIT_FIELDS = 4
+EDIT_MASK, EDIT_REPEAT = 1, 2
+
+
+@dataclass(frozen=True)
+class KernelInputs:
+    """One call's packed parameters (see the module docstring for the layout)."""
+
+    rowf: torch.Tensor
+    rowi: torch.Tensor
+    edits: torch.Tensor
+
+    def to(self, device: torch.device, stage: Staging) -> KernelInputs:
+        """The same inputs on ``device``, copied the way ``stage`` copies (no wait with
+        pinned staging)."""
+        return KernelInputs(*(stage(t, t.dtype, device) for t in (self.rowf, self.rowi, self.edits)))
+
+
+class SamplingKernel(Protocol):
+    """A platform's fused sampler."""
+
+    def accepts(self, logits: torch.Tensor) -> bool:
+        """Whether this kernel runs on these (checked float32 [B, V]) logits; decided
+        from their device, dtype and shape only (no device read)."""
+
+    def __call__(
+        self, logits: torch.Tensor, inputs: KernelInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens [B] int64, raw logprobs of the tokens [B] float32, logsumexp of each
+        raw row [B] float32), on the logits' device, queued without waiting for it."""
+
+
+class NoKernel:
+    """The default op: no fused kernel, the torch pipeline samples."""
+
+    def accepts(self, logits: torch.Tensor) -> bool:
+        return False
+
+    def __call__(self, logits: torch.Tensor, inputs: KernelInputs):
+        raise RuntimeError("NoKernel accepts no logits; the sampler runs its torch pipeline")
+
+
+NO_KERNEL = NoKernel()
+
+
+def pack(
+    rows: Sequence[SampleRow],
+    vocab: int,
+    eos: frozenset[int],
+    uniforms: dict[int, float],
+) -> KernelInputs:
+    """Host tensors for one call. ``uniforms``: row index -> its uniform number, for the
+    rows that are not greedy."""
+    n = len(rows)
+    rowf = np.zeros((n, ROW_F), dtype=np.float64)
+    rowi = np.zeros((n, ROW_I), dtype=np.int32)
+    for i, row in enumerate(rows):
+        p = row.params
+        rowf[i, :UNIFORM + 1] = (
+            0.0 if p.greedy else p.temperature,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+            uniforms.get(i, 0.0),
+        )
+        rowi[i, TOP_K] = p.top_k if 0 < p.top_k < vocab else 0
+    edits, begin, end = edit_list(rows, vocab, eos)
+    rowi[:, EDIT_BEGIN], rowi[:, EDIT_END] = begin, end
+    return KernelInputs(torch.from_numpy(rowf), torch.from_numpy(rowi), torch.from_numpy(edits))
+
+
+def edit_list(
+    rows: Sequence[SampleRow], vocab: int, eos: frozenset[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(edits [E, 4] int32, first edit of each row, end of each row's edits): the union of
+    the (row, token) pairs that min_tokens, logit_bias and the penalties touch."""
+    check_history(rows)
+    parts: dict[str, np.ndarray] = {}
+    mask = [i for i, r in enumerate(rows) if r.output_index < r.params.min_tokens]
+    if mask:
+        r, c = min_tokens_pairs(rows, mask, eos, vocab)
+        parts["mask"] = r * vocab + c
+    bias_rows = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    bias_vals = np.asarray(
+        [v for i in bias_rows for v in rows[i].params.logit_bias.values()], dtype=np.float32
+    )
+    if bias_rows:
+        r, c = flat_ids(rows, bias_rows, lambda row: list(row.params.logit_bias), vocab, "logit_bias")
+        parts["bias"] = r * vocab + c
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        r, c = flat_ids(rows, rep, lambda row: [*row.prompt_token_ids, *row.output_token_ids],
+                        vocab, "token history")
+        parts["rep"] = r * vocab + c
+    pf = [
+        i for i, r in enumerate(rows)
+        if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
+    ]
+    if pf:
+        r, c = flat_ids(rows, pf, lambda row: row.output_token_ids, vocab, "output token history")
+        parts["count"] = r * vocab + c
+    if not parts:
+        empty = np.zeros(len(rows), dtype=np.int32)
+        return np.zeros((0, EDIT_FIELDS), dtype=np.int32), empty, empty
+    keys, inverse = np.unique(np.concatenate(list(parts.values())), return_inverse=True)
+    slices, start = {}, 0
+    for name, k in parts.items():
+        slices[name] = inverse[start:start + len(k)]
+        start += len(k)
+    edits = np.zeros((len(keys), EDIT_FIELDS), dtype=np.int32)
+    edits[:, 0] = keys % vocab
+    if "count" in slices:
+        edits[:, 1] = np.bincount(slices["count"], minlength=len(keys))
+    flags = np.zeros(len(keys), dtype=np.int32)
+    if "mask" in slices:
+        flags[slices["mask"]] |= EDIT_MASK
+    if "rep" in slices:
+        flags[slices["rep"]] |= EDIT_REPEAT
+    edits[:, 2] = flags
+    if "bias" in slices:
+        bias = np.zeros(len(keys), dtype=np.float32)
+        np.add.at(bias, slices["bias"], bias_vals)
+        edits[:, 3] = bias.view(np.int32)
+    row_of = keys // vocab
+    idx = np.arange(len(rows))
+    begin = np.searchsorted(row_of, idx, side="left").astype(np.int32)
+    end = np.searchsorted(row_of, idx, side="right").astype(np.int32)
+    return edits, begin, end
