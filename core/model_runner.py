@@ -25,6 +25,17 @@ from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platfo
 from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
+from core.step_handle import (
+    DoneStep,
+    HostCopy,
+    ModelRunnerOutput,
+    PendingStep,
+    SampledToken,
+    StepHandle,
+    device_event_factory,
+)
+
+__all__ = ["ModelRunner", "ModelRunnerOutput", "RunnerSetup", "SampledToken", "StepHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +49,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, Logprob] | None
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    """What one step produced, keyed by seq id."""
-
-    sampled: dict[int, SampledToken]
-    """Only sequences scheduled with ``sample=True``."""
-    prompt_logprobs: dict[int, list[dict[int, Logprob]]]
-    """For sequences that asked for prompt logprobs: one entry per prompt position
-    computed this step whose next token is a prompt token (position p gives the
-    logprobs of prompt token p + 1)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +83,9 @@ class ModelRunner:
         # Page-locked staging only pays where the device has memory of its own.
         self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
         self.sampler = Sampler(eos_token_ids, staging=Staging(pinned=self.pin_host))
+        # Sampled ids come back through pinned memory and an event where the device has
+        # both; elsewhere the read-back is a plain copy in result().
+        self._make_event = device_event_factory(self.device) if self.pin_host else None
         self.batch = PersistentBatch(
             max_rows=self.config.scheduler.max_num_seqs,
             max_blocks=-(-self.config.model.max_model_len // self.block_size),
@@ -204,16 +199,24 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. A decode row whose token is ``core.input_batch.PLACEHOLDER_TOKEN``
-        (-1) is fed the token this runner sampled for it in the previous step, without a host
-        round trip (asynchronous scheduling); see :mod:`core.input_batch`."""
-        with self.platform.inference_context():
-            return self._execute(sched)
+        """Run one step and wait for its output: ``launch(sched).result()``."""
+        return self.launch(sched).result()
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue one step (block moves, forward, sampling) and start copying its sampled ids
+        to the host; the handle's ``result()`` waits for that copy only.
+
+        A decode row whose token is ``core.input_batch.PLACEHOLDER_TOKEN`` (-1) is fed the
+        token this runner sampled for it in the previous step, without a host round trip
+        (asynchronous scheduling); see :mod:`core.input_batch`. Steps that ask for top or
+        prompt logprobs read those back here (their handle is already done)."""
+        with self.platform.inference_context():
+            return self._launch(sched)
+
+    def _launch(self, sched: SchedulerOutput) -> StepHandle:
         self._move_blocks(sched)
         if not sched.scheduled:
-            return ModelRunnerOutput({}, {})
+            return DoneStep(ModelRunnerOutput({}, {}))
         step = self._prepare(sched)
         input_ids, positions, md = step.input_ids, step.positions, step.metadata
         if self.graphs is not None and self.graphs.can_run(md):
@@ -251,28 +254,33 @@ class ModelRunner:
 
     def _sample(
         self, sched: SchedulerOutput, hidden: torch.Tensor, batch_rows: tuple[int, ...]
-    ) -> ModelRunnerOutput:
+    ) -> StepHandle:
         # Row offsets from the host-side schedule: reading md.query_start_loc back would
         # make the host wait for the whole forward before it can queue the LM head.
         qsl = [0, *itertools.accumulate(len(s.token_ids) for s in sched.scheduled)]
         rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
         if not rows:
-            return ModelRunnerOutput({}, prompt_lp)
+            return DoneStep(ModelRunnerOutput({}, prompt_lp))
         last = self.sampler.staging([qsl[i + 1] - 1 for i in rows], torch.int64, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
-            return ModelRunnerOutput({}, {})
+            return DoneStep(ModelRunnerOutput({}, {}))
         scheduled = [sched.scheduled[i] for i in rows]
         drawn = self.sampler.draw(logits, scheduled)
         # The next step's placeholder tokens read these without a host round trip.
         self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
-        out = self.sampler.finish(scheduled, drawn)
-        sampled = {
-            s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
-            for j, s in enumerate(scheduled)
-        }
-        return ModelRunnerOutput(sampled, prompt_lp)
+        if any(s.params.logprobs is not None for s in scheduled):
+            # Top logprobs are built on the host from a read-back: this step waits now.
+            out = self.sampler.finish(scheduled, drawn)
+            sampled = {
+                s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
+                for j, s in enumerate(scheduled)
+            }
+            return DoneStep(ModelRunnerOutput(sampled, prompt_lp))
+        copy = HostCopy(drawn.token_ids, drawn.logprobs, self.pin_host, self._make_event,
+                        self.platform.synchronize)
+        return PendingStep([s.seq_id for s in scheduled], copy, prompt_lp)
 
     def _prompt_logprobs(
         self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]
