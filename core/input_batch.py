@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from core.attention import AttentionMetadata
+from core.request import PLACEHOLDER_TOKEN
 from core.scheduler import ScheduledSequence
 
-PLACEHOLDER_TOKEN = -1
-"""Input id of a decode token whose id is the row's last sampled token (see module doc)."""
+__all__ = ["PLACEHOLDER_TOKEN", "PersistentBatch", "StepInputs"]
 
 
 @dataclass(frozen=True)
