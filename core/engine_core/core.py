@@ -56,6 +56,12 @@ class EngineCore:
         self.vocab_size = vocab_size
         platform.seed_everything(config.model.seed)
         self.executor = self._make_executor(plugins, eos_ids)
+        try:
+            self.async_scheduling = self._async_scheduling()
+            """Whether ``step`` pipelines (may be switched while nothing is in flight)."""
+        except ValueError:
+            self.executor.shutdown()
+            raise
         self.kv_plan = self.executor.initialize()
         self._warn_if_oversubscribed()
         c = config.cache
@@ -64,8 +70,6 @@ class EngineCore:
             sliding_window=self.kv_plan.sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
-        self.async_scheduling = self._async_scheduling()
-        """Whether ``step`` pipelines (may be switched while nothing is in flight)."""
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
 
     @classmethod
