@@ -168,22 +168,28 @@ def decode_row(engine, batch: int, ns, params, greedy) -> dict:
 
 
 def loop_row(engine, batch: int, ns, params) -> dict:
-    """The engine loop with ``batch`` requests, synchronous then asynchronous: the median of
-    ``--loop-repeats`` runs of each (after one warm-up), as ms per step and output tok/s."""
+    """The engine loop with ``batch`` requests, synchronous and asynchronous runs taking
+    turns (so a drifting machine load biases neither): the median of ``--loop-repeats``
+    runs of each after one warm-up, as ms per step and output tok/s."""
     vocab, n = engine.vocab_size, ns.loop_prompt_len
     prompts = [[(31 * i + 7 * j) % vocab for j in range(n)] for i in range(batch)]
     sp = dataclasses.replace(params, max_tokens=ns.loop_tokens, ignore_eos=True)
-    row: dict = {"batch": batch, "prompt_len": n, "tokens": ns.loop_tokens}
     modes = (False, True) if engine.executor.supports_async_scheduling else (False,)
-    for mode in modes:
-        engine.core.async_scheduling = mode  # nothing is in flight between runs
-        runs = [_run_loop(engine, prompts, sp) for _ in range(ns.loop_repeats + 1)][1:]
-        secs, steps = statistics.median(r[0] for r in runs), runs[0][1]
+    runs: dict[bool, list[tuple[float, int]]] = {m: [] for m in modes}
+    before = engine.core.async_scheduling
+    for _ in range(ns.loop_repeats + 1):
+        for mode in modes:
+            engine.core.async_scheduling = mode  # nothing is in flight between runs
+            runs[mode].append(_run_loop(engine, prompts, sp))
+    row: dict = {"batch": batch, "prompt_len": n, "tokens": ns.loop_tokens}
+    for mode, results in runs.items():
+        secs, steps = statistics.median(r[0] for r in results[1:]), results[-1][1]
         name = "async" if mode else "sync"
         row[f"{name}_ms_per_step"] = round(secs / steps * 1e3, 3)
         row[f"{name}_tok_s"] = round(batch * ns.loop_tokens / secs, 1)
     if "async_tok_s" in row:
         row["async_speedup"] = round(row["async_tok_s"] / row["sync_tok_s"], 3)
+    engine.core.async_scheduling = before
     return row
 
 

@@ -83,7 +83,8 @@ def test_async_greedy_tokens_equal_hf_with_graphs_and_mixed_steps(tiny_llama):
     assert _staggered(llm, prompts, 20) == want
     assert run(llm, prompts, max_new=20) == want  # all at once: chunked prefills, then decodes
     assert any(s["prefills"] and s["placeholders"] for s in seen), "no mixed step was pipelined"
-    assert sum(s["pending"] for s in seen) > len(seen) // 2
+    # steps that sample without logprobs return before their ids are read back
+    assert sum(s["pending"] for s in seen) >= 20, seen
     if mixed is not None:
         assert mixed.disabled is None, mixed.disabled
         assert mixed.replays > 0
