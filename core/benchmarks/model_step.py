@@ -12,7 +12,7 @@ defaults through an op-override plugin, the extension point a vendor would use) 
 * a mixed step: one prompt chunk of ``--mixed-chunk`` tokens plus ``--mixed-decodes`` decodes
   at ``--context``, replayed piecewise from graphs (where the platform does) and eagerly;
 
-* the engine loop itself (``--loop-batches``): ``--loop-batches`` requests of
+* with ``--loop-batches B ...``, the engine loop itself: ``B`` requests of
   ``--loop-prompt-len`` tokens each decoding ``--loop-tokens`` tokens through
   ``LLMEngine.step()``, once with the synchronous loop and once with asynchronous scheduling
   (step N+1 scheduled and launched while step N runs): milliseconds per step and output
@@ -269,8 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-chunk", type=int, default=128)
     p.add_argument("--mixed-decodes", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--loop-batches", type=int, nargs="*", default=[1, 64],
-                   help="requests per engine-loop run, sync vs async (none: skip)")
+    p.add_argument("--loop-batches", type=int, nargs="*", default=[],
+                   help="requests per engine-loop run, sync vs async (default: none, skipped)")
     p.add_argument("--loop-prompt-len", type=int, default=128)
     p.add_argument("--loop-tokens", type=int, default=64, help="tokens each loop request decodes")
     p.add_argument("--loop-repeats", type=int, default=3)
