@@ -58,7 +58,7 @@ class EngineCore:
         self.executor = self._make_executor(plugins, eos_ids)
         try:
             self.async_scheduling = self._async_scheduling()
-            """Whether ``step`` pipelines (may be switched while nothing is in flight)."""
+            """Whether ``step`` pipelines (may be switched between steps)."""
         except ValueError:
             self.executor.shutdown()
             raise
@@ -168,8 +168,9 @@ class EngineCore:
         """One step: schedule -> execute -> update; with asynchronous scheduling, schedule
         and launch the next step, then update with the one launched by the previous call."""
         if not self.async_scheduling:
+            deltas = self.drain()  # a step launched before the loop was switched to sync
             sched = self.scheduler.schedule()
-            return self.scheduler.update(sched, self.executor.execute(sched))
+            return deltas + self.scheduler.update(sched, self.executor.execute(sched))
         deltas = self.drain() if self.scheduler.needs_sync() else []
         previous, self._in_flight = self._in_flight, None
         if self.scheduler.has_unfinished_requests():

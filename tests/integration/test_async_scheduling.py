@@ -276,3 +276,18 @@ def test_async_is_off_with_a_synchronous_executor_and_refused_if_asked_for(model
         llm.engine.shutdown()
     with pytest.raises(ValueError, match="'mp' executor .* runs steps synchronously. Drop --async-scheduling"):
         LLM(model=model, platform="cpu", dtype="float32", executor="mp", async_scheduling=True)
+
+
+def test_switching_the_loop_between_steps_keeps_every_token(model, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = _tokens(_llm(model, False).generate(prompts[:4], sp, use_tqdm=False))
+    llm = _llm(model, True)
+    eng = llm.engine
+    ids = [eng.add_request(None, p, sp, final_only=True) for p in prompts[:4]]
+    done, step = {}, 0
+    while eng.has_unfinished_requests():
+        eng.core.async_scheduling = step % 3 != 2  # a sync step now and then, mid-flight
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        step += 1
+    assert _tokens([done[i] for i in ids]) == want
+    _all_free(llm)
