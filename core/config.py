@@ -93,6 +93,10 @@ class EngineConfig:
     """Name of an attention backend to use instead of the platform's default."""
     enforce_eager: bool = False
     """Disable graph capture / compilation even where the platform supports it."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs on the device (the engine core learns step N's
+    tokens one step later). None: on where the executor supports it (the in-process one),
+    off otherwise; True with an executor that cannot is refused."""
     disable_log_stats: bool = False
     log_prompts: bool = False
     """Log prompt text in request logs (off by default for privacy)."""

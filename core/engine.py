@@ -1,6 +1,7 @@
 """LLMEngine: the in-process engine for offline use — a front end (tokenize, detokenize,
 stop strings) around an :class:`~core.engine_core.core.EngineCore`, whose ``step()`` is
-schedule -> execute -> update. The OpenAI server runs the same EngineCore in its own process
+schedule -> execute -> update (pipelined one step deep with asynchronous scheduling: see
+docs/engine.md). The OpenAI server runs the same EngineCore in its own process
 (:mod:`core.async_engine`)."""
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ def validate_engine_args(args: EngineArgs) -> None:
     for name, allowed in _CHOICES.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"{_where(name)}={getattr(args, name)!r} is invalid: must be one of {', '.join(allowed)}")
+    if args.async_scheduling is not None and not isinstance(args.async_scheduling, bool):
+        raise ValueError(f"{_where('async_scheduling')}={args.async_scheduling!r} is invalid: must be "
+                         "True, False or None (on where the executor supports it)")
     util = args.gpu_memory_utilization
     if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
         raise ValueError(f"{_where('gpu_memory_utilization')}={util!r} is invalid: must be a fraction in (0, 1]")
@@ -114,6 +117,9 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
+    """Schedule the next step while the device runs this one; None = where the executor
+    supports it (tensor_parallel_size 1, the in-process executor)."""
     max_waiting_requests: int | None = None
     disable_log_stats: bool = False
     log_prompts: bool = False
@@ -169,6 +175,9 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=None,
                        help="attention backend by name (default: the platform's)")
         g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule step N+1 while the device runs step N (default: on with the "
+                            "in-process executor, off with mp/ray, which run steps synchronously)")
         g.add_argument("--max-waiting-requests", type=int, default=None,
                        help="refuse new requests while this many wait (default: no limit)")
         g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput and queue log lines from the server")

@@ -1,7 +1,9 @@
 """Where the model runs: behind one small interface so the engine never changes when
 execution spreads over processes or hosts.
 
-``UniExecutor`` runs the model in this process (tensor-parallel size 1).
+``UniExecutor`` runs the model in this process (tensor-parallel size 1). It is the one that
+launches a step without waiting for it (asynchronous scheduling); the distributed executors
+keep the default :meth:`Executor.launch`, which runs the step before returning.
 """
 
 from __future__ import annotations
@@ -14,12 +16,18 @@ from core.config import GiB
 from core.kv_plan import KVPlan, plan_kv_cache
 from core.model_runner import ModelRunner, ModelRunnerOutput, RunnerSetup
 from core.scheduler import SchedulerOutput
+from core.step_handle import DoneStep, StepHandle
 
 logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
     """Runs scheduled steps on one or more workers; rank 0's sampled tokens come back."""
+
+    supports_async_scheduling: bool = False
+    """``launch`` returns before the step has run, and a decode row may carry the
+    placeholder token (its id sampled by the previous step, still on the device). The
+    engine core schedules asynchronously only with an executor that says so."""
 
     @abstractmethod
     def initialize(self) -> KVPlan:
@@ -28,6 +36,14 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on all workers."""
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Start one step; its ``result()`` is :meth:`execute`'s output.
+
+        Default: run the step now and return a handle that is already done. The distributed
+        executors (mp, ray) use this: their steps are synchronous, so with them the engine
+        core schedules each step after the previous one's tokens are known."""
+        return DoneStep(self.execute(sched))
 
     def check_health(self) -> None:
         """Raise RuntimeError if a worker has died. Default: in-process, always healthy."""
@@ -74,7 +90,9 @@ def initialize_runner(runner: ModelRunner) -> KVPlan:
 
 
 class UniExecutor(Executor):
-    """The model in this process, on one device."""
+    """The model in this process, on one device; ``launch`` returns while the device runs."""
+
+    supports_async_scheduling = True
 
     def __init__(self, setup: RunnerSetup, eos_token_ids: frozenset[int]):
         self.runner = ModelRunner(setup, eos_token_ids)
@@ -84,3 +102,6 @@ class UniExecutor(Executor):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        return self.runner.launch(sched)

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from core.attention import AttentionMetadata
+from core.request import PLACEHOLDER_TOKEN
 from core.scheduler import ScheduledSequence
 
-PLACEHOLDER_TOKEN = -1
-"""Input id of a decode token whose id is the row's last sampled token (see module doc)."""
+__all__ = ["PLACEHOLDER_TOKEN", "PersistentBatch", "StepInputs"]
 
 
 @dataclass(frozen=True)
@@ -221,18 +221,24 @@ class PersistentBatch:
         return t.to(self.device, non_blocking=True)
 
     def _check_placeholders(self, seqs, preempted, ids: np.ndarray, qsl: np.ndarray) -> None:
-        for i, s in enumerate(seqs):
-            if (ids[qsl[i] : qsl[i + 1]] >= 0).all():
-                continue
-            row = self._row_of.get(s.seq_id)
-            ok = len(s.token_ids) == 1 and row is not None and s.seq_id not in preempted
-            if not ok or not self._sampled[row]:
-                raise ValueError(
-                    f"sequence {s.seq_id} (request {s.request_id!r}) was scheduled with the "
-                    f"placeholder token {PLACEHOLDER_TOKEN} in {list(s.token_ids)[:8]}; a "
-                    "placeholder stands only for the single decode token of a sequence that "
-                    "sampled in the previous step. Pass the real token id instead."
-                )
+        # Vectorised over the sequences holding a placeholder: in an asynchronous decode
+        # step that is every one of them, each step.
+        idx = np.unique(np.searchsorted(qsl, np.flatnonzero(ids < 0), side="right") - 1)
+        rows = np.fromiter((self._row_of.get(seqs[i].seq_id, -1) for i in idx.tolist()), np.int64, len(idx))
+        ok = (qsl[idx + 1] - qsl[idx] == 1) & (rows >= 0)
+        ok &= self._sampled[np.where(rows >= 0, rows, 0)]
+        if preempted:
+            gone = set(preempted)
+            ok &= np.fromiter((seqs[i].seq_id not in gone for i in idx.tolist()), bool, len(idx))
+        if ok.all():
+            return
+        s = seqs[int(idx[np.argmin(ok)])]
+        raise ValueError(
+            f"sequence {s.seq_id} (request {s.request_id!r}) was scheduled with the "
+            f"placeholder token {PLACEHOLDER_TOKEN} in {list(s.token_ids)[:8]}; a "
+            "placeholder stands only for the single decode token of a sequence that "
+            "sampled in the previous step. Pass the real token id instead."
+        )
 
     def record_sampled(self, rows: Sequence[int], tokens: torch.Tensor) -> None:
         """Keep ``tokens`` [len(rows)] (on the device) as those rows' last sampled tokens."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +26,17 @@ from core.pooling import PoolingState
 from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
+from core.step_handle import (
+    DoneStep,
+    HostCopy,
+    ModelRunnerOutput,
+    PendingStep,
+    SampledToken,
+    StepHandle,
+    device_event_factory,
+)
+
+__all__ = ["ModelRunner", "ModelRunnerOutput", "RunnerSetup", "SampledToken", "StepHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +50,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, Logprob] | None
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    """What one step produced, keyed by seq id."""
-
-    sampled: dict[int, SampledToken]
-    """Only sequences scheduled with ``sample=True``."""
-    prompt_logprobs: dict[int, list[dict[int, Logprob]]]
-    """For sequences that asked for prompt logprobs: one entry per prompt position
-    computed this step whose next token is a prompt token (position p gives the
-    logprobs of prompt token p + 1)."""
-    pooled: dict[int, tuple[float, ...]] = field(default_factory=dict)
-    """Pooling requests whose prompt finished this step: the pooled vector (core/pooling.py)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +87,9 @@ class ModelRunner:
             eos_token_ids, staging=Staging(pinned=self.pin_host), kernel=setup.ops.sampling_kernel
         )
         self.pooling = PoolingState()
+        # Sampled ids come back through pinned memory and an event where the device has
+        # both; elsewhere the read-back is a plain copy in result().
+        self._make_event = device_event_factory(self.device) if self.pin_host else None
         self.batch = PersistentBatch(
             max_rows=self.config.scheduler.max_num_seqs,
             max_blocks=-(-self.config.model.max_model_len // self.block_size),
@@ -211,16 +204,24 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. A decode row whose token is ``core.input_batch.PLACEHOLDER_TOKEN``
-        (-1) is fed the token this runner sampled for it in the previous step, without a host
-        round trip (asynchronous scheduling); see :mod:`core.input_batch`."""
-        with self.platform.inference_context():
-            return self._execute(sched)
+        """Run one step and wait for its output: ``launch(sched).result()``."""
+        return self.launch(sched).result()
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue one step (block moves, forward, sampling) and start copying its sampled ids
+        to the host; the handle's ``result()`` waits for that copy only.
+
+        A decode row whose token is ``core.input_batch.PLACEHOLDER_TOKEN`` (-1) is fed the
+        token this runner sampled for it in the previous step, without a host round trip
+        (asynchronous scheduling); see :mod:`core.input_batch`. Steps that ask for top or
+        prompt logprobs read those back here (their handle is already done)."""
+        with self.platform.inference_context():
+            return self._launch(sched)
+
+    def _launch(self, sched: SchedulerOutput) -> StepHandle:
         self._move_blocks(sched)
         if not sched.scheduled:
-            return ModelRunnerOutput({}, {})
+            return DoneStep(ModelRunnerOutput({}, {}))
         step = self._prepare(sched)
         input_ids, positions, md = step.input_ids, step.positions, step.metadata
         if self.graphs is not None and self.graphs.can_run(md):
@@ -258,7 +259,7 @@ class ModelRunner:
 
     def _sample(
         self, sched: SchedulerOutput, hidden: torch.Tensor, batch_rows: tuple[int, ...]
-    ) -> ModelRunnerOutput:
+    ) -> StepHandle:
         # Row offsets from the host-side schedule: reading md.query_start_loc back would
         # make the host wait for the whole forward before it can queue the LM head.
         qsl = [0, *itertools.accumulate(len(s.token_ids) for s in sched.scheduled)]
@@ -266,21 +267,26 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
         pooled = self._pool(sched, hidden, qsl)
         if not rows:
-            return ModelRunnerOutput({}, prompt_lp, pooled)
+            return DoneStep(ModelRunnerOutput({}, prompt_lp, pooled))
         last = self.sampler.staging([qsl[i + 1] - 1 for i in rows], torch.int64, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
-            return ModelRunnerOutput({}, {})
+            return DoneStep(ModelRunnerOutput({}, {}))
         scheduled = [sched.scheduled[i] for i in rows]
         drawn = self.sampler.draw(logits, scheduled)
         # The next step's placeholder tokens read these without a host round trip.
         self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
-        out = self.sampler.finish(scheduled, drawn)
-        sampled = {
-            s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
-            for j, s in enumerate(scheduled)
-        }
-        return ModelRunnerOutput(sampled, prompt_lp, pooled)
+        if any(s.params.logprobs is not None for s in scheduled):
+            # Top logprobs are built on the host from a read-back: this step waits now.
+            out = self.sampler.finish(scheduled, drawn)
+            sampled = {
+                s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
+                for j, s in enumerate(scheduled)
+            }
+            return DoneStep(ModelRunnerOutput(sampled, prompt_lp, pooled))
+        copy = HostCopy(drawn.token_ids, drawn.logprobs, self.pin_host, self._make_event,
+                        self.platform.synchronize)
+        return PendingStep([s.seq_id for s in scheduled], copy, prompt_lp, pooled)
 
     def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]) -> dict[int, tuple[float, ...]]:
         """Pooled vectors of the embedding requests whose prompt ends this step (see core/pooling.py)."""

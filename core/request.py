@@ -18,6 +18,11 @@ from core.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
 
+PLACEHOLDER_TOKEN = -1
+"""A scheduled input id that is not known on the host yet: the token the previous step
+sampled for this sequence, which the model runner reads on the device (asynchronous
+scheduling; see :mod:`core.input_batch`)."""
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -55,7 +60,12 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    """Tokens whose KV is in the cache (reset to 0 when preempted by recompute)."""
+    """Positions whose KV is in the cache or being written by a launched step (reset to 0
+    when preempted by recompute). With a token in flight it may exceed ``num_tokens``."""
+    num_pending: int = 0
+    """Tokens sampled by launched steps whose ids the host does not know yet (0 or 1 when
+    a step is scheduled; up to 2 between scheduling step N+1 and updating with step N).
+    They follow ``output_token_ids``; ``num_tokens`` does not count them."""
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the sequence, if any."""

@@ -27,6 +27,17 @@ finished sequences, registers computed blocks with the prefix cache and returns 
 :class:`~core.engine_core.types.RequestDelta` per request that changed. Text (stop strings,
 detokenization) belongs to the front end, which finishes a sample through
 :meth:`Scheduler.stop_sample`.
+
+Asynchronous scheduling: step N+1 may be scheduled before ``update`` has step N's tokens
+(at most one step in flight). A sequence whose step N samples counts that token as
+*pending* (``Sequence.num_pending``): step N+1 gives it the next position, a slot and, if
+needed, a block for it, with the input id :data:`~core.request.PLACEHOLDER_TOKEN` (the runner
+feeds the token it sampled on the device). ``update(N)`` then appends the token and applies
+the stops; a sequence that stopped at N has an extra token in step N+1, which ``update(N+1)``
+drops (its blocks were freed at N). A sequence whose in-flight token is its last
+(max_tokens, max_model_len) is not scheduled again. Requests that need every token on the
+host before their next step (penalties read the history from the schedule) make
+:meth:`Scheduler.needs_sync` true: the engine then updates before it schedules.
 """
 
 from __future__ import annotations
@@ -40,13 +51,20 @@ from core.block_manager import BlockManager
 from core.config import SchedulerConfig
 from core.engine_core.types import RequestDelta, SampleDelta
 from core.pooling import skips_prefix_cache
-from core.request import Request, Sequence, SequenceStatus
+from core.request import PLACEHOLDER_TOKEN, Request, Sequence, SequenceStatus
 from core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from core.model_runner import ModelRunnerOutput, SampledToken
 
 logger = logging.getLogger(__name__)
+
+
+def needs_host_tokens(params: SamplingParams) -> bool:
+    """Whether a request's next step needs its previous token on the host: penalties (the
+    sampler reads the output history from the schedule) and a grammar (its matcher
+    advances with each accepted token)."""
+    return params.needs_token_history or getattr(params, "structured", None) is not None
 
 
 @dataclass(frozen=True)
@@ -165,6 +183,8 @@ class _Step:
     reserved: int = 0
     """Device blocks promised to the deferred swap-ins."""
     preempted: list[int] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    """Requests given up on in this step."""
     admission_closed: bool = False
 
 
@@ -211,6 +231,8 @@ class Scheduler:
         self._aborted: dict[str, str] = {}
         """Request id -> why it was aborted during schedule(), until update() reports it."""
         self._num_preemptions = 0
+        self._num_host_token_requests = 0
+        """Live requests for which ``needs_host_tokens`` holds."""
 
     # ------------------------------------------------------------- public API
 
@@ -226,6 +248,7 @@ class Scheduler:
         if reason is not None:
             raise ValueError(reason)
         self._requests[request.request_id] = request
+        self._num_host_token_requests += needs_host_tokens(request.params)
         self._order[request.request_id] = self._next_order
         self._next_order += 1
         for seq in request.seqs:
@@ -270,6 +293,10 @@ class Scheduler:
         """Apply an executed step: append each sampled token, finish the sequences that
         reached a token-level stop, register computed blocks with the prefix cache.
 
+        The next step may have been scheduled since ``sched`` (asynchronous scheduling): a
+        sequence preempted meanwhile still gets its token; one that finished or was aborted
+        meanwhile has its token dropped, never reported.
+
         :return: one delta per request that got tokens, prompt logprobs, its first
             scheduled step, or an abort in this step.
         """
@@ -277,9 +304,11 @@ class Scheduler:
                   for rid in sched.aborted]
         touched: dict[str, _Touched] = {}
         for s in sched.scheduled:
-            seq = self._running.get(s.seq_id)
-            if seq is None:  # aborted between schedule and update
+            seq = self._live(s.seq_id)
+            if seq is None:  # finished or aborted since this step was scheduled
                 continue
+            if s.sample:
+                seq.num_pending -= 1
             t = touched.get(s.request_id)
             if t is None:
                 request = self._requests[s.request_id]
@@ -303,7 +332,8 @@ class Scheduler:
         seq.cumulative_logprob += tok.logprob
         status, stop_id = self._stop_status(seq, tok.token_id)
         if status is None:
-            self._offer_to_cache(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                self._offer_to_cache(seq)
         else:
             seq.stop_reason = stop_id
             self._finish(seq, status)
@@ -327,6 +357,12 @@ class Scheduler:
         """True while a request is unfinished or an abort is still to be reported."""
         return bool(self._requests) or bool(self._aborted)
 
+    def needs_sync(self) -> bool:
+        """True while a live request needs each step's tokens on the host before its next
+        step is scheduled (see :func:`needs_host_tokens`): the engine must ``update`` with the
+        step in flight before it calls ``schedule``."""
+        return self._num_host_token_requests > 0
+
     def get_request(self, request_id: str) -> Request | None:
         """The request while it is unfinished, else None."""
         return self._requests.get(request_id)
@@ -343,8 +379,11 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step and advance ``num_computed_tokens`` of every scheduled sequence
-        (the engine must run the step and ``update`` before calling ``schedule`` again)."""
+        """Plan one step and advance ``num_computed_tokens`` of every scheduled sequence.
+
+        At most one step may be in flight: after ``schedule`` for step N+1 the engine must
+        ``update`` with step N before it schedules N+2 (and before N+1 while
+        :meth:`needs_sync` is true)."""
         step = _Step(
             budget=self.config.max_num_batched_tokens,
             pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1},
@@ -390,7 +429,7 @@ class Scheduler:
         if not self._make_room(seq, need, step, strict_priority=False):
             if len(self._running) == 1:
                 self._abort_in_step(
-                    seq,
+                    seq, step,
                     f"at {start + k} tokens it needs {need()} more KV blocks besides its "
                     f"{len(self.bm.block_table(seq.seq_id))}, but the cache has "
                     f"{self.bm.num_usable_blocks} in all",
@@ -403,6 +442,8 @@ class Scheduler:
         self._emit(seq, k, step)
 
     def _schedule_swapped(self, seq: Sequence, step: _Step) -> None:
+        if seq.num_pending:
+            return  # preempted with a token in flight: back once update() has it
         if step.admission_closed or not self._has_slots(seq):
             step.admission_closed = True
             return
@@ -431,6 +472,8 @@ class Scheduler:
                 self._emit(seq, k, step)
 
     def _schedule_waiting(self, seq: Sequence, step: _Step) -> None:
+        if seq.num_pending:
+            return  # preempted with a token in flight: admitted once update() has it
         if step.admission_closed or not self._has_slots(seq):
             step.admission_closed = True
             return
@@ -485,10 +528,13 @@ class Scheduler:
 
     def _target(self, seq: Sequence) -> int:
         """Tokens to compute before this sequence can move on: the prompt minus its last
-        token for an unforked n > 1 request (then it forks), else every known token."""
+        token for an unforked n > 1 request (then it forks), else every known or pending
+        token, except a pending last one (max_tokens, max_model_len): it needs no KV, and the
+        sequence finishes once update() has it."""
         if self._unforked(self._requests[seq.request_id]):
             return seq.num_prompt_tokens - 1
-        return seq.num_tokens
+        n = seq.num_tokens + seq.num_pending
+        return n - 1 if seq.num_pending and n >= self._max_len(seq) else n
 
     def _remaining(self, seq: Sequence) -> int:
         return self._target(seq) - seq.num_computed_tokens
@@ -583,28 +629,37 @@ class Scheduler:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += k
         params = seq.params
+        if seq.num_pending and needs_host_tokens(params):
+            raise RuntimeError(
+                f"sequence {seq.seq_id} (request {seq.request_id!r}) needs its previous token on "
+                "the host, but it is still in flight; while Scheduler.needs_sync() is true, call "
+                "update() with the step in flight before schedule()"
+            )
         history = params.needs_token_history or params.prompt_logprobs is not None
         table = self.bm.block_table(seq.seq_id)
+        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
         step.entries.append(
             ScheduledSequence(
                 seq_id=seq.seq_id,
                 request_id=seq.request_id,
-                token_ids=seq.token_ids_from(start, start + k),
+                token_ids=_input_ids(seq, start, start + k),
                 start_pos=start,
                 block_table=table,
-                sample=seq.num_computed_tokens == seq.num_tokens,
+                sample=sample,
                 params=params,
-                output_index=len(seq.output_token_ids),
+                output_index=len(seq.output_token_ids) + seq.num_pending,
                 prompt_token_ids=seq.prompt_token_ids if history else (),
                 output_token_ids=tuple(seq.output_token_ids) if history else (),
                 blocks_needed=max(0, self.bm.blocks_for(self._max_len(seq)) - len(table)),
             )
         )
+        if sample:
+            seq.num_pending += 1
 
     def _output(self, step: _Step) -> SchedulerOutput:
         prefills = [e for e in step.entries if e.is_prefill]
         decodes = [e for e in step.entries if not e.is_prefill]
-        aborted = tuple(self._aborted)
+        aborted = tuple(step.aborted)
         return SchedulerOutput(
             scheduled=tuple(prefills + decodes),
             num_prefills=len(prefills),
@@ -618,11 +673,21 @@ class Scheduler:
 
     def _offer_to_cache(self, seq: Sequence) -> None:
         """Register the sequence's computed full blocks (their KV was written by an
-        executed step, so other sequences may reuse them from now on)."""
-        full = seq.num_computed_tokens // self.bm.block_size
+        launched step, so other sequences may reuse them from the next step on). Positions
+        computed with an in-flight token wait until the token is known."""
+        computed = min(seq.num_computed_tokens, seq.num_tokens)
+        full = computed // self.bm.block_size
         if self.bm.enable_prefix_caching and full > self.bm.num_hashed_blocks(seq.seq_id):
             tokens = seq.token_ids_from(0, full * self.bm.block_size)
-            self.bm.cache_computed(seq.seq_id, tokens, seq.num_computed_tokens)
+            self.bm.cache_computed(seq.seq_id, tokens, computed)
+
+    def _live(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, in whichever queue it is."""
+        for queue in (self._running, self._waiting, self._swapped):
+            seq = queue.get(seq_id)
+            if seq is not None:
+                return seq
+        return None
 
     def _drop(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and release whatever blocks it holds."""
@@ -639,13 +704,15 @@ class Scheduler:
         self._forget(request)
         return aborted
 
-    def _abort_in_step(self, seq: Sequence, reason: str) -> None:
+    def _abort_in_step(self, seq: Sequence, step: _Step, reason: str) -> None:
         logger.error("aborting request %s (sequence %d): %s", seq.request_id, seq.seq_id, reason)
         self._abort(self._requests[seq.request_id])
+        step.aborted.append(seq.request_id)
         self._aborted[seq.request_id] = f"the request can no longer fit the KV cache: {reason}"
 
     def _forget(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        if self._requests.pop(request.request_id, None) is not None:
+            self._num_host_token_requests -= needs_host_tokens(request.params)
         self._order.pop(request.request_id, None)
 
     def _never_fits(self, request: Request) -> str | None:
@@ -674,3 +741,12 @@ class Scheduler:
                 "max_tokens or n, or raise the KV cache memory"
             )
         return None
+
+
+def _input_ids(seq: Sequence, start: int, end: int) -> tuple[int, ...]:
+    """Input ids of positions [start, end): known tokens, then a placeholder for each
+    position whose token is still in flight."""
+    known = seq.num_tokens
+    if end <= known:
+        return seq.token_ids_from(start, end)
+    return seq.token_ids_from(min(start, known), known) + (PLACEHOLDER_TOKEN,) * (end - max(start, known))

@@ -12,6 +12,12 @@ defaults through an op-override plugin, the extension point a vendor would use) 
 * a mixed step: one prompt chunk of ``--mixed-chunk`` tokens plus ``--mixed-decodes`` decodes
   at ``--context``, replayed piecewise from graphs (where the platform does) and eagerly;
 
+* with ``--loop-batches B ...``, the engine loop itself: ``B`` requests of
+  ``--loop-prompt-len`` tokens each decoding ``--loop-tokens`` tokens through
+  ``LLMEngine.step()``, once with the synchronous loop and once with asynchronous scheduling
+  (step N+1 scheduled and launched while step N runs): milliseconds per step and output
+  tokens per second, the gain the overlap buys;
+
 and, with ``--profile-dir``, writes torch.profiler tables (by device time) of one decode and
 one prefill step. Timing is wall clock around ``--iters`` steps with the platform
 synchronised before and after (what the engine loop sees). The KV cache is filled with
@@ -161,6 +167,45 @@ def decode_row(engine, batch: int, ns, params, greedy) -> dict:
     return {k: round(v * 1e3, 3) if k.endswith("_ms") else v for k, v in row.items()}
 
 
+def loop_row(engine, batch: int, ns, params) -> dict:
+    """The engine loop with ``batch`` requests, synchronous and asynchronous runs taking
+    turns (so a drifting machine load biases neither): the median of ``--loop-repeats``
+    runs of each after one warm-up, as ms per step and output tok/s."""
+    vocab, n = engine.vocab_size, ns.loop_prompt_len
+    prompts = [[(31 * i + 7 * j) % vocab for j in range(n)] for i in range(batch)]
+    sp = dataclasses.replace(params, max_tokens=ns.loop_tokens, ignore_eos=True)
+    modes = (False, True) if engine.executor.supports_async_scheduling else (False,)
+    runs: dict[bool, list[tuple[float, int]]] = {m: [] for m in modes}
+    before = engine.core.async_scheduling
+    for _ in range(ns.loop_repeats + 1):
+        for mode in modes:
+            engine.core.async_scheduling = mode  # nothing is in flight between runs
+            runs[mode].append(_run_loop(engine, prompts, sp))
+    row: dict = {"batch": batch, "prompt_len": n, "tokens": ns.loop_tokens}
+    for mode, results in runs.items():
+        secs, steps = statistics.median(r[0] for r in results[1:]), results[-1][1]
+        name = "async" if mode else "sync"
+        row[f"{name}_ms_per_step"] = round(secs / steps * 1e3, 3)
+        row[f"{name}_tok_s"] = round(batch * ns.loop_tokens / secs, 1)
+    if "async_tok_s" in row:
+        row["async_speedup"] = round(row["async_tok_s"] / row["sync_tok_s"], 3)
+    engine.core.async_scheduling = before
+    return row
+
+
+def _run_loop(engine, prompts, sp) -> tuple[float, int]:
+    """(seconds, steps) of running ``prompts`` to completion through ``engine.step()``."""
+    for p in prompts:
+        engine.add_request(None, p, sp, final_only=True)
+    engine.platform.synchronize()
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    engine.platform.synchronize()
+    return time.perf_counter() - t0, steps
+
+
 def write_profiles(engine, ns, variant: str, params) -> None:
     """torch.profiler tables: an eager decode step, a prefill step, a graph decode step."""
     runner = engine.executor.runner
@@ -204,6 +249,11 @@ def measure(ns, variant: str) -> tuple[dict, Platform]:
     print(variant, "prefill", json.dumps(out["prefill"]), flush=True)
     out["mixed"] = mixed_row(engine, ns, sampled)
     print(variant, "mixed", json.dumps(out["mixed"]), flush=True)
+    out["loop"] = []
+    for batch in ns.loop_batches:
+        row = loop_row(engine, batch, ns, sampled)
+        out["loop"].append(row)
+        print(variant, "loop", json.dumps(row), flush=True)
     if ns.profile_dir:
         write_profiles(engine, ns, variant, sampled)
     engine.shutdown()
@@ -219,6 +269,11 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-chunk", type=int, default=128)
     p.add_argument("--mixed-decodes", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--loop-batches", type=int, nargs="*", default=[],
+                   help="requests per engine-loop run, sync vs async (default: none, skipped)")
+    p.add_argument("--loop-prompt-len", type=int, default=128)
+    p.add_argument("--loop-tokens", type=int, default=64, help="tokens each loop request decodes")
+    p.add_argument("--loop-repeats", type=int, default=3)
     p.add_argument("--ops", choices=["fused", "reference", "both"], default="both")
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--output-json", default=None)

@@ -1,5 +1,11 @@
 """EngineCore: the engine loop. ``step()`` is schedule -> execute -> update, nothing else.
 
+With asynchronous scheduling (the default where the executor supports it) one step is in
+flight between calls: ``step()`` schedules and launches step N+1 while the device still
+runs step N, then waits for step N's tokens and updates with them. The deltas a call
+returns are step N's. While a request needs every token on the host before its next step
+(``Scheduler.needs_sync()``), the call updates with step N first and then schedules.
+
 It takes tokenized requests and returns per-request token deltas
 (:mod:`core.engine_core.types`); it holds no tokenizer state beyond the EOS ids and never
 makes text. Not thread-safe: one thread drives it (the offline ``LLMEngine``, or the
@@ -26,7 +32,8 @@ from core.platform import Platform
 from core.plugins import Plugins, load_plugins
 from core.pooling import attach_pooled
 from core.request import Request
-from core.scheduler import Scheduler, SchedulerStats
+from core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from core.step_handle import ModelRunnerOutput, StepHandle
 from core.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,12 @@ class EngineCore:
         self.vocab_size = vocab_size
         platform.seed_everything(config.model.seed)
         self.executor = self._make_executor(plugins, eos_ids)
+        try:
+            self.async_scheduling = self._async_scheduling()
+            """Whether ``step`` pipelines (may be switched between steps)."""
+        except ValueError:
+            self.executor.shutdown()
+            raise
         self.kv_plan = self.executor.initialize()
         self._warn_if_oversubscribed()
         c = config.cache
@@ -58,6 +71,7 @@ class EngineCore:
             sliding_window=self.kv_plan.sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, plugins: Plugins | None = None) -> EngineCore:
@@ -82,6 +96,19 @@ class EngineCore:
         from core.distributed_executor import make_distributed_executor
 
         return make_distributed_executor(setup, eos_ids)
+
+    def _async_scheduling(self) -> bool:
+        wanted = self.config.async_scheduling
+        able = self.executor.supports_async_scheduling
+        if wanted and not able:
+            p = self.config.parallel
+            raise ValueError(
+                f"--async-scheduling needs an executor that launches a step before the previous "
+                f"one is read back; the {p.executor!r} executor with tensor_parallel_size "
+                f"{p.tensor_parallel_size} runs steps synchronously. Drop --async-scheduling "
+                "(the default picks what the executor supports)"
+            )
+        return able if wanted is None else wanted
 
     def _warn_if_oversubscribed(self) -> None:
         """max_num_seqs x max_model_len may exceed the cache: legal and common (most sequences
@@ -139,13 +166,35 @@ class EngineCore:
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        sched = self.scheduler.schedule()
-        result = self.executor.execute(sched)
+        """One step: schedule -> execute -> update; with asynchronous scheduling, schedule
+        and launch the next step, then update with the one launched by the previous call."""
+        if not self.async_scheduling:
+            deltas = self.drain()  # a step launched before the loop was switched to sync
+            sched = self.scheduler.schedule()
+            return deltas + self._update(sched, self.executor.execute(sched))
+        deltas = self.drain() if self.scheduler.needs_sync() else []
+        previous, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            self._in_flight = (sched, self.executor.launch(sched))
+        if previous is not None:
+            deltas += self._update(previous[0], previous[1].result())
+        return deltas
+
+    def drain(self) -> list[RequestDelta]:
+        """Update with the step in flight, if any (its deltas; [] when none)."""
+        if self._in_flight is None:
+            return []
+        (sched, handle), self._in_flight = self._in_flight, None
+        return self._update(sched, handle.result())
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
         deltas = self.scheduler.update(sched, result)
         return attach_pooled(deltas, sched, result.pooled) if result.pooled else deltas
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is unfinished or a step is in flight."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -3,9 +3,14 @@
 Two PUSH/PULL pipes, both bound by the front end (the parent) on ``ipc://`` paths:
 commands in (:data:`Command`), messages out (:data:`Message`). The child's loop:
 
-1. read every queued command (block, with a timeout, only while idle); answer the adds of
-   the batch with one :class:`Acks`;
+1. read every queued command (block, with a timeout, only while idle: no request and no
+   step in flight); answer the adds of the batch with one :class:`Acks`;
 2. if there is work: ``EngineCore.step()`` and send its deltas with the scheduler's stats.
+   With asynchronous scheduling that call launches step N+1 first and only then waits for
+   step N's tokens, so the device runs step N+1 while this process updates with step N,
+   sends its deltas, reads the next commands and schedules step N+2. Commands (aborts,
+   stops) therefore act from the next launched step on; tokens of a request aborted or
+   stopped meanwhile are dropped by the scheduler, never sent.
 
 Start-up sends :class:`Ready` or :class:`StartupFailed` (the error's message, so the user
 sees why, never a hang). A failing step sends :class:`Dead` and exits 1. The child ignores
@@ -190,6 +195,7 @@ class _Loop:
                     self.core.shutdown()
                     return 0
                 if self.core.has_unfinished_requests():
+                    # async: launch N+1, then collect N (see the module docstring)
                     deltas = self.core.step()
                     self.out.send(self.enc.encode(StepOutputs(deltas, self.core.stats())))
         except _Orphaned:

@@ -100,6 +100,7 @@ def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None =
         platform=platform.name,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         disable_log_stats=args.disable_log_stats,
         log_prompts=args.log_prompts,
     )

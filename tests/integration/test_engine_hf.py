@@ -2,7 +2,8 @@
 
 Covers GQA/MHA, tied/untied embeddings, batches of different prompt lengths, a KV cache so
 small that requests get preempted, a token budget that splits prefills over several steps,
-and n > 1. After every run all KV blocks must be free again.
+and n > 1. After every run all KV blocks must be free again. Each runs with asynchronous
+scheduling (the default on CPU) and with the synchronous loop.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from transformers import AutoModelForCausalLM
 from core import LLM, SamplingParams
 
 MAX_NEW = 12
+
+
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def loop(request) -> bool:
+    """async_scheduling for the engine under test."""
+    return request.param
 
 
 def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -71,10 +78,10 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_batch_matches_hf(tiny_llama, name):
+def test_batch_matches_hf(tiny_llama, name, loop):
     path = tiny_llama(seed=1, **CONFIGS[name])
     prompts = random_prompts(6, 512, seed=2)
-    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16)
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, async_scheduling=loop)
     assert run(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
     assert_all_blocks_free(llm)
 
@@ -88,36 +95,36 @@ def shared(tmp_path_factory):
     return path, prompts, hf_greedy(path, prompts, 20)
 
 
-def test_preemption_under_a_tiny_kv_cache_keeps_outputs(shared):
+def test_preemption_under_a_tiny_kv_cache_keeps_outputs(shared, loop):
     path, prompts, expected = shared
     # 12 usable blocks of 16 tokens: room for ~2-3 of these sequences at once, 8 submitted.
-    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16,
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, async_scheduling=loop,
               num_blocks_override=13, max_model_len=128)
     assert run(llm, prompts, max_new=20) == expected
     assert llm.engine.scheduler.stats().num_preemptions > 0
     assert_all_blocks_free(llm)
 
 
-def test_token_budget_splits_prefill_over_steps(shared):
+def test_token_budget_splits_prefill_over_steps(shared, loop):
     path, prompts, expected = shared
-    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16,
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, async_scheduling=loop,
               max_num_batched_tokens=7, max_num_seqs=3)
     assert run(llm, prompts, max_new=20) == expected
     assert_all_blocks_free(llm)
 
 
-def test_swap_preemption_keeps_outputs(shared):
+def test_swap_preemption_keeps_outputs(shared, loop):
     path, prompts, expected = shared
-    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16,
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, async_scheduling=loop,
               num_blocks_override=13, max_model_len=128, preemption_mode="swap", swap_space=0.01)
     assert run(llm, prompts, max_new=20) == expected
     assert llm.engine.scheduler.stats().num_preemptions > 0
     assert_all_blocks_free(llm)
 
 
-def test_n_greater_than_one_greedy_samples_agree(shared):
+def test_n_greater_than_one_greedy_samples_agree(shared, loop):
     path, prompts, expected = shared
-    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16)
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, async_scheduling=loop)
     sp = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(prompts[:3], sp, use_tqdm=False)
     for o, exp in zip(outs, expected[:3]):

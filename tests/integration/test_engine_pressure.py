@@ -39,15 +39,16 @@ def _all_free(llm: LLM) -> None:
 def workload(model):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(4, 60))] for _ in range(64)]
-    return prompts, _greedy(_llm(model), prompts)
+    return prompts, _greedy(_llm(model, async_scheduling=False), prompts)
 
 
+@pytest.mark.parametrize("loop", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_64_requests_under_kv_pressure_match_unpressured_run(model, workload, mode):
+def test_64_requests_under_kv_pressure_match_unpressured_run(model, workload, mode, loop):
     prompts, expected = workload
     # A sequence here needs at most ceil((60 + 16) / 16) = 5 blocks: 20 usable blocks hold ~4.
     extra = {"swap_space": 0.05} if mode == "swap" else {}
-    llm = _llm(model, num_blocks_override=21, preemption_mode=mode, **extra)
+    llm = _llm(model, num_blocks_override=21, preemption_mode=mode, async_scheduling=loop, **extra)
     assert _greedy(llm, prompts) == expected
     stats = llm.engine.scheduler.stats()
     assert stats.num_preemptions > 0

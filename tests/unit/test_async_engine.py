@@ -234,6 +234,12 @@ class _FailingExecutor:
             raise RuntimeError("device lost")
         return self.inner.execute(sched)
 
+    def launch(self, sched):  # the asynchronous loop launches instead of executing
+        self.steps += len(sched.scheduled) >= 3
+        if self.steps >= 3:
+            raise RuntimeError("device lost")
+        return self.inner.launch(sched)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

@@ -149,6 +149,23 @@ def test_a_placeholder_needs_a_row_that_sampled_last_step():
         batch.prepare([row], 0)
 
 
+def test_a_placeholder_is_refused_in_a_chunk_or_a_preempted_row_and_names_that_row():
+    batch = PersistentBatch(max_rows=4, max_blocks=8, block_size=BS, device=torch.device("cpu"),
+                            pin=False)
+    rows = [ScheduledSequence(seq_id=i, request_id=f"r{i}", token_ids=(5,), start_pos=3, block_table=(2 + i,),
+                              sample=True, params=PARAMS, output_index=0) for i in range(3)]
+    step = batch.prepare(rows, 0)
+    batch.record_sampled(step.rows, torch.tensor([11, 12, 13]))
+    held = [dataclasses.replace(r, token_ids=(PLACEHOLDER_TOKEN,), start_pos=4) for r in rows]
+    chunk = dataclasses.replace(held[1], token_ids=(9, PLACEHOLDER_TOKEN), start_pos=4)
+    with pytest.raises(ValueError, match=r"request 'r1'"):
+        batch.prepare([chunk, held[0], held[2]], 1)
+    with pytest.raises(ValueError, match=r"request 'r2'"):
+        batch.prepare(held, 0, preempted=[2])
+    # refusals leave no trace: the same rows still take their placeholders
+    assert batch.prepare(held, 0).input_ids.tolist() == [11, 12, 13]
+
+
 def test_placeholder_decode_gives_the_real_token_logits_and_tokens(tiny_llama):
     llm = LLM(model=str(tiny_llama(seed=5)), dtype="float32", block_size=16,
               kv_cache_memory="16MiB", max_model_len=128)

@@ -7,6 +7,11 @@ the documented order (swap-out, copy, swap-in), checks that every scheduled sequ
 its exact history from that cache, and samples a "next token" that is a hash of what it
 read. Outputs therefore change if the scheduler or block manager ever mixes up KV, and
 they are compared with a reference computed directly from the prompts.
+
+With ``pipelined=True`` it drives the scheduler as the asynchronous engine loop does:
+step N+1 is scheduled and "run" before ``update`` gets step N's tokens. Its device keeps
+each sequence's true token list, feeds placeholder inputs from it and checks that every
+known input id the host sent is right.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from core.block_manager import NULL_BLOCK, BlockManager, blocks_for
 from core.config import SchedulerConfig
 from core.engine_core.types import RequestDelta, SampleDelta
 from core.model_runner import ModelRunnerOutput, SampledToken
-from core.request import Request, Sequence, SequenceStatus
+from core.request import PLACEHOLDER_TOKEN, Request, Sequence, SequenceStatus
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler, SchedulerOutput
 
@@ -46,7 +51,8 @@ def reference(prompt: tuple[int, ...], max_tokens: int, index: int, stops: bool,
 
 
 class FakeEngine:
-    def __init__(self, num_blocks: int, num_host_blocks: int = 0, caching: bool = True, **cfg):
+    def __init__(self, num_blocks: int, num_host_blocks: int = 0, caching: bool = True,
+                 pipelined: bool = False, **cfg):
         cfg.setdefault("max_model_len", 256)
         self.cfg = SchedulerConfig(**cfg)
         self.bm = BlockManager(num_blocks, BS, caching, num_host_blocks)
@@ -60,6 +66,10 @@ class FakeEngine:
         self.deltas: list[RequestDelta] = []
         self.generated: dict[int, int] = {}
         self.swap_in_first = False  # copies and swap-ins may run in either order
+        self.pipelined = pipelined
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.truth: dict[int, list[int]] = {}
+        """seq id -> every token the device knows (sampled ones before the host does)."""
 
     def add(
         self,
@@ -89,11 +99,30 @@ class FakeEngine:
     def seq(self, seq_id: int) -> Sequence:
         return next(s for r in self.requests.values() for s in r.seqs if s.seq_id == seq_id)
 
-    def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
-        self.history.append(out)
-        self.aborted.update(out.aborted)
-        self._check(out)
+    def step(self) -> SchedulerOutput | None:
+        """One step; pipelined: schedule and run step N+1, then update with step N (or only
+        update once nothing is left to schedule; then None)."""
+        out = None
+        if not self.pipelined or self.sched.has_unfinished_requests():
+            out = self.sched.schedule()
+            self.history.append(out)
+            self.aborted.update(out.aborted)
+            self._check(out)
+            result = self._execute(out)
+        if not self.pipelined:
+            self.deltas += self.sched.update(out, result)
+        else:
+            previous, self.in_flight = self.in_flight, (out, result) if out is not None else None
+            if previous is not None:
+                self.deltas += self.sched.update(*previous)
+        self.bm.check_invariants()
+        for r in self.requests.values():  # generated tokens are never taken back
+            for q in r.seqs:
+                assert len(q.output_token_ids) >= self.generated.get(q.seq_id, 0)
+                self.generated[q.seq_id] = len(q.output_token_ids)
+        return out
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for dev, host in out.blocks_to_swap_out:  # always first (see SchedulerOutput)
             self.host[host] = list(self.kv[dev])
         moves = [self._copy(out), self._swap_in(out)]
@@ -101,26 +130,26 @@ class FakeEngine:
             move()
         # The forward pass: all cached context is read before this step's KV is written,
         # so a sequence may only rely on blocks computed in earlier steps.
-        sampled = []
+        sampled, inputs = {}, {}
         for e in out.scheduled:
             seq = self.seq(e.seq_id)
+            truth = self.truth.setdefault(e.seq_id, list(seq.token_ids_from(0, seq.num_tokens)))
+            end = e.start_pos + len(e.token_ids)
+            ids = [t if t != PLACEHOLDER_TOKEN else truth[e.start_pos + i] for i, t in enumerate(e.token_ids)]
+            assert ids == truth[e.start_pos : end], f"seq {e.seq_id}: wrong input ids"
             context = [self.kv[e.block_table[p // BS]][p % BS] for p in range(e.start_pos)]
-            assert context == list(seq.token_ids_from(0, e.start_pos)), f"seq {e.seq_id}: bad KV"
+            assert context == truth[: e.start_pos], f"seq {e.seq_id}: bad KV"
+            inputs[e.seq_id] = ids
             if e.sample:
-                sampled.append((seq, fake_next([*context, *e.token_ids], seq.index)))
+                assert end == len(truth)
+                sampled[e.seq_id] = fake_next(truth, seq.index)
         for e in out.scheduled:
-            for i, tok in enumerate(e.token_ids):
+            for i, tok in enumerate(inputs[e.seq_id]):
                 pos = e.start_pos + i
                 self.kv[e.block_table[pos // BS]][pos % BS] = tok
-        # The scheduler's own update, after the forward pass, as in the engine.
-        runner_out = ModelRunnerOutput({seq.seq_id: SampledToken(tok, 0.0, None) for seq, tok in sampled}, {})
-        self.deltas += self.sched.update(out, runner_out)
-        self.bm.check_invariants()
-        for r in self.requests.values():  # generated tokens are never taken back
-            for q in r.seqs:
-                assert len(q.output_token_ids) >= self.generated.get(q.seq_id, 0)
-                self.generated[q.seq_id] = len(q.output_token_ids)
-        return out
+        for sid, tok in sampled.items():
+            self.truth[sid].append(tok)
+        return ModelRunnerOutput({sid: SampledToken(tok, 0.0, None) for sid, tok in sampled.items()}, {})
 
     def _copy(self, out: SchedulerOutput):
         def run():
@@ -152,18 +181,25 @@ class FakeEngine:
             seq = self.seq(e.seq_id)
             end = e.start_pos + len(e.token_ids)
             assert len(e.token_ids) >= 1 and seq.status is SequenceStatus.RUNNING
-            assert end == seq.num_computed_tokens and e.token_ids == seq.token_ids_from(
-                e.start_pos, end
+            # Known positions carry their id, in-flight ones (pipelined only) the placeholder.
+            known = seq.token_ids_from(e.start_pos, min(end, seq.num_tokens))
+            assert end == seq.num_computed_tokens and e.token_ids == known + (PLACEHOLDER_TOKEN,) * (
+                end - e.start_pos - len(known)
             )
-            assert e.sample == (end == seq.num_tokens)
+            pending = seq.num_pending - e.sample  # in flight before this step
+            assert pending <= (1 if self.pipelined else 0)
+            assert e.sample == (end == seq.num_tokens + pending)
             assert len(e.block_table) == blocks_for(end, BS) and NULL_BLOCK not in e.block_table
-            assert e.output_index == len(seq.output_token_ids)
+            assert e.output_index == len(seq.output_token_ids) + pending
             max_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.cfg.max_model_len)
             assert e.blocks_needed == max(0, blocks_for(max_len, BS) - len(e.block_table))
+            # Never a token past max_tokens / max_model_len, even with one in flight.
+            assert seq.num_tokens + seq.num_pending <= max_len
 
     def run(self, max_steps: int = 2000, arrivals: dict[int, list] | None = None) -> int:
         steps = 0
-        while self.sched.has_unfinished_requests() or (arrivals and max(arrivals) >= steps):
+        while (self.sched.has_unfinished_requests() or self.in_flight is not None
+               or (arrivals and max(arrivals) >= steps)):
             for args in (arrivals or {}).get(steps, []):
                 self.add(*args[0], **args[1])
             self.step()
@@ -617,16 +653,18 @@ def test_stats_track_queues_usage_and_preemptions():
 # ------------------------------------------------------------ random workloads
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workloads_finish_with_reference_outputs_and_free_blocks(
-    policy: str, mode: str, chunked: bool, caching: bool, seed: int
+    policy: str, mode: str, chunked: bool, caching: bool, seed: int, pipelined: bool
 ):
     rng = random.Random(f"{policy}{mode}{chunked}{caching}{seed}")
     eng = FakeEngine(
+        pipelined=pipelined,
         num_blocks=33,  # 32 usable: room for the largest request, far from all at once
         num_host_blocks=rng.choice([0, 6, 40]),
         caching=caching,
@@ -656,7 +694,7 @@ def test_random_workloads_finish_with_reference_outputs_and_free_blocks(
     to_abort = {f"r{i}": rng.randrange(30) for i in rng.sample(range(28), 3)}
 
     step = 0
-    while eng.sched.has_unfinished_requests() or step <= max(arrivals):
+    while eng.sched.has_unfinished_requests() or eng.in_flight or step <= max(arrivals):
         for args, kwargs in arrivals.get(step, []):
             eng.add(*args, **kwargs)
         for rid, when in to_abort.items():
@@ -677,7 +715,29 @@ def test_random_workloads_finish_with_reference_outputs_and_free_blocks(
             assert all(g == w[: len(g)] for g, w in zip(got, want))
         else:
             assert got == want, rid
+    assert_deltas_match_outputs(eng)
     eng.assert_all_free()
+
+
+def assert_deltas_match_outputs(eng: FakeEngine) -> None:
+    """Each sample's reported tokens are exactly its outputs (no extra token, none lost), a
+    finish reason comes with its last token only, and nothing follows a finished delta."""
+    reported: dict[tuple[str, int], list[SampleDelta]] = defaultdict(list)
+    finished: set[str] = set()
+    for d in eng.deltas:
+        assert d.request_id not in finished, f"{d.request_id}: a delta after its final one"
+        if d.finished:
+            finished.add(d.request_id)
+        for sd in d.samples:
+            reported[(d.request_id, sd.index)].append(sd)
+    for rid, req in eng.requests.items():
+        for seq in req.seqs:
+            got = reported[(rid, seq.index)]
+            assert [sd.token_id for sd in got] == seq.output_token_ids, (rid, seq.index)
+            reasons = [sd.finish_reason for sd in got]
+            assert all(r is None for r in reasons[:-1])
+            if rid not in eng.aborted and seq.status is not SequenceStatus.FINISHED_ABORTED:
+                assert reasons and reasons[-1] == seq.status.finish_reason
 
 
 # ---- update: the token-level half of a step ------------------------------------------------
@@ -771,3 +831,106 @@ def test_a_step_aborted_request_comes_back_as_a_delta_with_the_reason():
     assert [(d.request_id, d.finished) for d in deltas] == [("r", True)]
     assert "can no longer fit the KV cache" in deltas[0].abort_reason
     assert not sched.has_unfinished_requests()
+
+
+# ---- asynchronous scheduling: one step in flight -----------------------------------------------
+def _appearances(eng: FakeEngine, seq_id: int) -> int:
+    return sum(e.seq_id == seq_id for out in eng.history for e in out.scheduled)
+
+
+def test_pipelined_decode_feeds_the_placeholder_and_counts_the_pending_token():
+    eng = FakeEngine(num_blocks=16, pipelined=True)
+    seq = eng.add("r", prompt(5), max_tokens=3).seqs[0]
+    eng.step()  # the prompt; its token is in flight
+    assert seq.num_pending == 1 and seq.output_token_ids == []
+    out = eng.step()  # the next decode is scheduled before update() has that token
+    (e,) = out.scheduled
+    assert e.token_ids == (PLACEHOLDER_TOKEN,) and e.start_pos == 5 and e.output_index == 1
+    assert len(seq.output_token_ids) == 1 and seq.num_pending == 1  # step 1 known, step 2 not
+    eng.run()
+    assert eng.outputs("r") == eng.expected("r")
+    # prompt + 2 decodes: the third token is the last (max_tokens), so no step computes it
+    assert _appearances(eng, seq.seq_id) == 3
+    assert_deltas_match_outputs(eng)
+    eng.assert_all_free()
+
+
+def test_pipelined_max_tokens_1_is_scheduled_once():
+    eng = FakeEngine(num_blocks=16, pipelined=True)
+    seq = eng.add("r", prompt(6), max_tokens=1).seqs[0]
+    eng.run()
+    assert eng.outputs("r") == eng.expected("r") and _appearances(eng, seq.seq_id) == 1
+    eng.assert_all_free()
+
+
+def test_pipelined_stop_drops_the_extra_token_computed_after_it():
+    # Find a prompt whose second generated token is a stop token of the fake model.
+    p = next(prompt(7, start) for start in range(VOCAB)
+             if reference(tuple(prompt(7, start)), 10, 0, True, 256)[1:2]
+             and reference(tuple(prompt(7, start)), 10, 0, True, 256)[1] % STOP_MOD == 0)
+    eng = FakeEngine(num_blocks=16, pipelined=True)
+    seq = eng.add("r", p, max_tokens=10, stops=True).seqs[0]
+    eng.run()
+    assert eng.outputs("r") == eng.expected("r") and len(seq.output_token_ids) == 2
+    # prompt, the decode that sampled the stop token, and one more already in flight when
+    # the stop became known: its token was computed but never reported
+    assert _appearances(eng, seq.seq_id) == 3
+    assert_deltas_match_outputs(eng)
+    eng.assert_all_free()
+
+
+def test_pipelined_abort_in_flight_drops_its_tokens_and_frees_blocks():
+    eng = FakeEngine(num_blocks=16, pipelined=True)
+    eng.add("a", prompt(9), max_tokens=8)
+    eng.add("b", prompt(5, 40), max_tokens=8)
+    eng.step()
+    eng.step()  # a and b are both in flight
+    kept = len(eng.requests["a"].seqs[0].output_token_ids)
+    eng.sched.abort_request("a")
+    eng.aborted.add("a")
+    eng.run()
+    assert eng.outputs("a") == [eng.expected("a")[0][:kept]]
+    assert eng.outputs("b") == eng.expected("b")
+    assert_deltas_match_outputs(eng)
+    eng.assert_all_free()
+
+
+def test_pipelined_step_abort_is_reported_once():
+    eng = FakeEngine(num_blocks=6, pipelined=True)  # 5 usable
+    eng.bm.allocate(-1, prompt(12), 12)  # 3 blocks held outside the scheduler
+    eng.add("r", prompt(7), max_tokens=5)
+    while eng.sched.has_unfinished_requests() or eng.in_flight:
+        eng.step()
+    finals = [d for d in eng.deltas if d.finished]
+    assert [d.request_id for d in finals] == ["r"]
+    assert "can no longer fit the KV cache" in finals[0].abort_reason
+
+
+def test_needs_sync_while_a_request_needs_host_tokens():
+    sched = _sched()
+    assert not sched.needs_sync()
+    sched.add_request(Request("plain", tuple(prompt(5)), SamplingParams(max_tokens=4)))
+    assert not sched.needs_sync()
+    sched.add_request(Request("pen", tuple(prompt(6)), SamplingParams(max_tokens=4, presence_penalty=0.5)))
+    assert sched.needs_sync()
+    sched.abort_request("pen")
+    assert not sched.needs_sync()
+    sched.abort_request("plain")
+    sched.add_request(Request("pen2", tuple(prompt(6)), SamplingParams(max_tokens=2, repetition_penalty=1.2)))
+    while sched.has_unfinished_requests():
+        _step_with(sched, {"pen2": 5})
+    assert not sched.needs_sync()  # finished requests no longer count
+
+
+def test_needs_sync_follows_a_stand_in_condition(monkeypatch):
+    # The structured-output helper adds ``SamplingParams.structured``; any params for which
+    # needs_host_tokens holds must make the scheduler ask for the in-flight step first.
+    import core.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "needs_host_tokens", lambda p: p.max_tokens == 7)
+    sched = _sched()
+    sched.add_request(Request("x", tuple(prompt(5)), SamplingParams(max_tokens=7)))
+    assert sched.needs_sync()
+    sched.schedule()  # the prompt; its token in flight
+    with pytest.raises(RuntimeError, match="needs_sync"):
+        sched.schedule()  # scheduling on without update() would lose the token's host copy
