@@ -82,7 +82,7 @@ def test_pooling_survives_preemption(path, mode):
     # mid-prefill. A recomputed mean restarts from position 0 and must not keep stale sums; a
     # swapped one resumes where it was and must keep its sum.
     swap = dict(preemption_mode="swap", swap_space=0.01) if mode == "swap" else {}
-    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, kv_cache_memory="96KiB",
+    llm = LLM(model=str(path), platform="cpu", dtype="float32", block_size=16, kv_cache_memory="80KiB",
               max_num_batched_tokens=32, max_model_len=128, **swap)
     run_mixed(llm, path, "mean", True)
     assert llm.engine.scheduler.stats().num_preemptions > 0
