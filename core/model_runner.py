@@ -264,7 +264,8 @@ class ModelRunner:
         if self.setup.comm.rank != 0:
             return ModelRunnerOutput({}, {})
         scheduled = [sched.scheduled[i] for i in rows]
-        drawn = self.sampler.draw(logits, scheduled)
+        mask = sched.grammar.for_rows([s.seq_id for s in scheduled]) if sched.grammar is not None else None
+        drawn = self.sampler.draw(logits, scheduled, bitmask=mask)
         # The next step's placeholder tokens read these without a host round trip.
         self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
         out = self.sampler.finish(scheduled, drawn)

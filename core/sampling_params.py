@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.structured_output.spec import GrammarSpec
+
 _GREEDY_EPS = 1e-5
 
 
@@ -54,6 +56,10 @@ class SamplingParams:
     """Return this many top logprobs per prompt token (plus the prompt token itself)."""
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured: GrammarSpec | None = None
+    """Constrain the output to a grammar (a JSON schema, a regex, a choice, ...): build one
+    with ``GrammarSpec.of`` or :func:`core.structured_output.json_schema` and its siblings.
+    The engine compiles it off its loop and masks every token the grammar forbids."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Opaque per-request data for plugins; ignored by core."""
 
@@ -146,6 +152,12 @@ class SamplingParams:
             "stop_token_ids",
             self.stop_token_ids,
             "non-negative token ids",
+        )
+        _check(
+            self.structured is None or isinstance(self.structured, GrammarSpec),
+            "structured",
+            self.structured,
+            "a GrammarSpec (e.g. GrammarSpec.of('json_schema', schema)) or None",
         )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():

@@ -44,6 +44,7 @@ from core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from core.model_runner import ModelRunnerOutput, SampledToken
+    from core.structured_output.bitmask import StepBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class SchedulerOutput:
     """Request ids the scheduler gave up on in this step (a lone sequence that can no
     longer grow within the cache; an error was logged). Their sequences are
     FINISHED_ABORTED and hold no blocks; ``update`` reports them with the reason."""
+    grammar: StepBitmask | None = None
+    """Structured output: the masks of the constrained rows that sample this step (set by
+    the engine core after ``schedule()``; the scheduler leaves it None)."""
 
     @property
     def is_empty(self) -> bool:

@@ -8,6 +8,7 @@ engine-core process's loop).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -26,6 +27,7 @@ from core.platform import Platform
 from core.plugins import Plugins, load_plugins
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerStats
+from core.structured_output.engine import StructuredOutputs
 from core.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ class EngineCore:
             sliding_window=self.kv_plan.sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+        m = config.model
+        self.structured = StructuredOutputs(lambda: load_tokenizer(m.tokenizer, m.gguf_file, m.cache_dir),
+                                            vocab_size, eos_ids)
 
     @classmethod
     def from_args(cls, args: EngineArgs, plugins: Plugins | None = None) -> EngineCore:
@@ -115,7 +120,7 @@ class EngineCore:
             is in use.
         """
         limit = self.config.scheduler.max_waiting_requests
-        if limit is not None and self.scheduler.stats().num_waiting >= limit:
+        if limit is not None and self.scheduler.stats().num_waiting + self.structured.num_parked >= limit:
             raise EngineOverloaded(
                 f"{limit} requests are already waiting (--max-waiting-requests {limit}); retry later"
             )
@@ -125,12 +130,19 @@ class EngineCore:
                           arrival_time=req.arrival_time)
         for s in request.seqs:
             s.arrival_time = req.arrival_time
-        self.scheduler.add_request(request)
+        if req.params.structured is None:
+            self.scheduler.add_request(request)
+            return
+        reason = self.scheduler._never_fits(request)  # refused now, not once its grammar compiled
+        if reason is not None:
+            raise ValueError(reason)
+        self.structured.admit(request, self.scheduler.add_request)
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests now and free their blocks (unknown or finished ids are ignored)."""
         for rid in request_ids:
             self.scheduler.abort_request(rid)
+            self.structured.forget(rid)
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """Finish one sample that the front end stopped (a stop string in its text)."""
@@ -138,12 +150,24 @@ class EngineCore:
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        failed = self._release_compiled() if self.structured.has_parked() else []
         sched = self.scheduler.schedule()
+        grammar = self.structured.step_bitmask(sched, self.scheduler) if self.structured.active else None
+        if grammar is not None:
+            sched = dataclasses.replace(sched, grammar=grammar)
         result = self.executor.execute(sched)
-        return self.scheduler.update(sched, result)
+        deltas = self.scheduler.update(sched, result)
+        self.structured.accept(deltas)
+        return failed + deltas
+
+    def _release_compiled(self) -> list[RequestDelta]:
+        """Requests whose grammar compiled join the scheduler (structured output)."""
+        if not self.scheduler.has_unfinished_requests():
+            self.structured.wait_for_compile()  # nothing else to run: do not spin
+        return self.structured.release_ready(self.scheduler.add_request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.has_parked()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -153,6 +177,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

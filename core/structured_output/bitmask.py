@@ -18,10 +18,15 @@ there, and come back. All three take the same arguments and give the same result
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
@@ -125,3 +130,71 @@ def apply_bitmask_host(
         logits.copy_(part)
     else:
         logits[index] = part.to(logits.device)
+
+
+# ---- one step's masks, from the engine core to the sampler -------------------------------------
+@dataclass(frozen=True)
+class StepBitmask:
+    """The grammar masks of one step, filled on the host by the engine core and carried to
+    the runner in the :class:`~core.scheduler.SchedulerOutput` (pickled to workers as is)."""
+
+    seq_ids: tuple[int, ...]
+    """The sequence of each bitmask row; each is scheduled with ``sample=True`` this step."""
+    bitmask: torch.Tensor
+    """``[len(seq_ids), ceil(vocab / 32)]`` int32, on the host."""
+
+    def for_rows(self, row_seq_ids: Sequence[int]) -> RowBitmask:
+        """The masks addressed to the sampler's rows (``row_seq_ids[i]`` is row i's sequence).
+
+        :raises ValueError: a masked sequence is not among the rows (a runner bug).
+        """
+        where = {s: i for i, s in enumerate(row_seq_ids)}
+        missing = [s for s in self.seq_ids if s not in where]
+        if missing:
+            raise ValueError(f"grammar masks for sequences {missing[:5]} that this step does not sample")
+        return RowBitmask(self.bitmask, tuple(where[s] for s in self.seq_ids))
+
+
+@dataclass(frozen=True)
+class RowBitmask:
+    """Bitmask rows and the logits row each one masks: the sampler's first stage."""
+
+    bitmask: torch.Tensor
+    rows: tuple[int, ...]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Forbidden tokens of the masked rows to ``-inf``, in place: on the logits' device
+        where it runs the unpack ops correctly (checked once per device type), else through
+        the host."""
+        if not self.rows:
+            return
+        rows = None if self.rows == tuple(range(logits.shape[0])) else list(self.rows)
+        if device_path_works(logits.device.type):
+            apply_bitmask(logits, self.bitmask, rows)
+        else:
+            apply_bitmask_host(logits, self.bitmask, rows)
+
+
+@functools.cache
+def device_path_works(device_type: str) -> bool:
+    """Whether :func:`apply_bitmask` gives :func:`apply_bitmask_host`'s result on this kind
+    of device: asked of the device itself, once, on random logits and masks (a device
+    without uint8 shifts or boolean ``masked_fill`` raises or differs; it gets the host
+    path). The CPU needs no check: the host path's reference is the CPU."""
+    if device_type == "cpu":
+        return True
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 100, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_bitmask_host(want, mask, [0, 2])
+    try:
+        got = logits.to(device_type)
+        apply_bitmask(got, mask, [0, 2])
+        ok = torch.equal(got.cpu(), want)
+    except Exception as e:  # noqa: BLE001 - any failure of the ops means: use the host path
+        logger.warning("grammar masks on %s: the device path failed (%s); masking on the host", device_type, e)
+        return False
+    if not ok:
+        logger.warning("grammar masks on %s: the device path gave a wrong result; masking on the host", device_type)
+    return ok
