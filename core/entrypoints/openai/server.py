@@ -134,7 +134,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics) -> Fas
     grace = ShutdownGrace(args.shutdown_grace_period)
     ctx = ServerContext(engine, metrics.model_name, args.chat_template,
                         log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                        max_prompt_chars=args.max_prompt_chars, grace=grace)
+                        max_prompt_chars=args.max_prompt_chars, grace=grace,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
