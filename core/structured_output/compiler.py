@@ -110,7 +110,10 @@ class GrammarCompiler:
                 self._checked.popitem(last=False)
 
     def _validate(self, grammar: str, spec: GrammarSpec) -> None:
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        try:
+            is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        except Exception as e:  # noqa: BLE001 - whatever the library raises, it is the spec's fault
+            raise GrammarError(f"{spec.field or spec.kind}: {e}") from None
         if is_error:
             raise GrammarError(f"{spec.field or spec.kind}: {messages[0]}")
 

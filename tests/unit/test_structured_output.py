@@ -361,8 +361,9 @@ _TOOLS = [{"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}
         ({"guided_grammar": 'root ::= "x"', "guided_decoding_backend": "auto"}, ("grammar", 'root ::= "x"', True)),
         ({"guided_json": _SCHEMA}, ("json_schema", json.dumps(_SCHEMA), True)),
         ({"tools": _TOOLS, "tool_choice": "auto"}, None),
+        # forced calls are strict: the declared arguments only
         ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-         ("json_schema", json.dumps(_SCHEMA), False)),
+         ("json_schema", json.dumps(_SCHEMA), True)),
     ],
 )
 def test_request_fields_map_to_one_spec(fields, want):
