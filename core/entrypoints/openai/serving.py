@@ -286,7 +286,9 @@ def ignored_fields_value(names: list[str], limit: int = 1024) -> str:
     characters (a client could send thousands of fields, or names no header may carry)."""
     safe = ["".join(c if 32 < ord(c) < 127 and c != "," else "?" for c in n[:64]) for n in names]
     value = ", ".join(safe)
-    return value if len(value) <= limit else value[: limit - 4] + ", ..."
+    if len(value) <= limit:
+        return value
+    return value[: value.rfind(", ", 0, limit - 4)] + ", ..."  # whole names only
 
 
 def _grammar_param(message: str) -> str | None:
