@@ -10,10 +10,11 @@ so the temporary is one byte per token rather than four.
 :func:`apply_bitmask_compiled` runs llguidance's ``torch.compile`` kernel instead (the same
 unpack and fill, fused): 30x faster than the eager ops on a CPU (docs/benchmarks/
 structured_output.md), but it needs a working ``torch.compile`` backend for the device (a C++
-compiler on CPU, Triton on CUDA/ROCm) and compiles for seconds on first use. Which of the
-two a device uses is for its platform to say. :func:`apply_bitmask_host` is the fallback for
-a device that cannot run these ops at all: the constrained rows go to the host, are masked
-there, and come back. All three take the same arguments and give the same result.
+compiler on CPU, Triton on CUDA/ROCm) and compiles for seconds on first use, so the engine
+does not use it. :func:`apply_bitmask_host` is the fallback for a device that cannot run
+these ops at all (:func:`device_path_works` asks the device once): the constrained rows go
+to the host, are masked there, and come back. All three take the same arguments and give
+the same result.
 """
 
 from __future__ import annotations
