@@ -23,7 +23,7 @@ from core.executor import Executor, UniExecutor
 from core.model_runner import RunnerSetup
 from core.models import ModelRegistry
 from core.ops import Ops
-from core.platform import Platform
+from core.platform import Capability, Platform
 from core.plugins import Plugins, load_plugins
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerStats
@@ -60,8 +60,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
         m = config.model
+        caps = platform.capabilities
         self.structured = StructuredOutputs(lambda: load_tokenizer(m.tokenizer, m.gguf_file, m.cache_dir),
-                                            vocab_size, eos_ids)
+                                            vocab_size, eos_ids, pin_memory=Capability.PINNED_HOST_MEMORY in caps
+                                            and Capability.DEVICE_MEMORY in caps)
 
     @classmethod
     def from_args(cls, args: EngineArgs, plugins: Plugins | None = None) -> EngineCore:
@@ -124,7 +126,7 @@ class EngineCore:
             raise EngineOverloaded(
                 f"{limit} requests are already waiting (--max-waiting-requests {limit}); retry later"
             )
-        if self.scheduler.get_request(req.request_id) is not None:
+        if self.scheduler.get_request(req.request_id) is not None or self.structured.is_parked(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use; ids must be unique")
         request = Request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                           arrival_time=req.arrival_time)

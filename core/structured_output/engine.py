@@ -44,9 +44,13 @@ class StructuredOutputs:
         request (an engine that never sees one never builds the grammar tokenizer).
     :param vocab_size: the model's logits width.
     :param eos_token_ids: the engine's EOS set: the grammar allows them where output may end.
+    :param pin_memory: fill the masks into page-locked memory (a device with memory of its
+        own: the copy to it then does not wait for the step's forward pass).
     """
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Iterable[int]):
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Iterable[int],
+                 pin_memory: bool = False):
+        self._pin = pin_memory
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
@@ -68,6 +72,9 @@ class StructuredOutputs:
 
     def has_parked(self) -> bool:
         return bool(self._parked)
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self._parked
 
     @property
     def active(self) -> bool:
@@ -132,7 +139,7 @@ class StructuredOutputs:
         if not entries:
             return None
         matchers = [self._matcher(s.request_id, s.seq_id, scheduler) for s in entries]
-        bitmask = allocate_bitmask(len(entries), self._vocab_size)
+        bitmask = allocate_bitmask(len(entries), self._vocab_size, pin_memory=self._pin)
         live = [i for i, m in enumerate(matchers) if m.error is None]
         fill_bitmasks(self.compiler, [matchers[i] for i in live], live, bitmask)
         for i in set(range(len(entries))) - set(live):
