@@ -14,6 +14,7 @@ from core.structured_output.bitmask import (
     apply_bitmask,
     apply_bitmask_compiled,
     apply_bitmask_host,
+    apply_bitmask_numpy,
     unpack_bitmask,
 )
 from core.structured_output.compiler import CompiledGrammar, GrammarCompiler
@@ -31,6 +32,7 @@ __all__ = [
     "apply_bitmask",
     "apply_bitmask_compiled",
     "apply_bitmask_host",
+    "apply_bitmask_numpy",
     "close_objects",
     "fill_bitmasks",
     "unpack_bitmask",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -145,3 +146,25 @@ def test_abort_drops_parked_and_running_grammar_state(llm):
         eng.step()
     assert not structured.has_parked() and not structured.active
     assert structured._matchers == {} and structured._seq_index == {}
+
+
+def test_a_parked_request_holds_its_id_and_can_be_aborted(llm):
+    from core.engine_core.types import EngineRequest
+
+    eng = llm.engine
+    structured = eng.core.structured
+    gate, compile_now = threading.Event(), structured.compiler._compile
+    structured.compiler._compile = lambda s: gate.wait(60) and compile_now(s)
+    try:
+        params = _json_params({"type": "array", "items": {"type": "boolean"}, "maxItems": 3}, 0.0)
+        rid = eng.add_request(None, "p", params)
+        assert structured.is_parked(rid) and eng.scheduler.get_request(rid) is None
+        with pytest.raises(ValueError, match="already in use"):
+            eng.core.add_request(EngineRequest(rid, (1, 2), params))
+        eng.abort_request(rid)
+        assert not structured.has_parked()
+    finally:
+        gate.set()
+        structured.compiler._compile = compile_now
+    while eng.has_unfinished_requests():
+        eng.step()

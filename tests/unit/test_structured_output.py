@@ -29,6 +29,7 @@ from core.structured_output import (
     apply_bitmask,
     apply_bitmask_compiled,
     apply_bitmask_host,
+    apply_bitmask_numpy,
     close_objects,
     fill_bitmasks,
     unpack_bitmask,
@@ -300,7 +301,7 @@ def _reference_mask(logits, bitmask, rows):
     return out
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host, apply_bitmask_numpy])
 @pytest.mark.parametrize("vocab,words", [(1003, 32), (64, 2), (100, 3)])
 def test_apply_bitmask_matches_reference(apply, vocab, words):
     gen = torch.Generator().manual_seed(vocab)
@@ -317,7 +318,7 @@ def test_apply_bitmask_matches_reference(apply, vocab, words):
     assert torch.equal(got, _reference_mask(logits, bitmask, list(range(batch))))
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host, apply_bitmask_numpy])
 def test_apply_bitmask_refuses_mismatched_rows(apply):
     with pytest.raises(ValueError, match=r"bitmask has 2 rows for 3 logits rows"):
         apply(torch.zeros(3, 64), torch.zeros(2, 2, dtype=torch.int32))
@@ -505,3 +506,15 @@ def test_step_masks_follow_each_sample_and_an_errored_matcher_allows_only_eos(ti
     assert allowed.nonzero().flatten().tolist() == [tiny.eos_token_id]
     so.accept([RequestDelta("r", (SampleDelta(0, tiny.eos_token_id, 0.0, finish_reason="stop"),), finished=True)])
     assert not so.active and so._matchers == {} and so._seq_index == {}
+
+
+def test_numpy_path_masks_a_strided_view_in_place():
+    gen = torch.Generator().manual_seed(8)
+    wide = torch.randn(4, 80, generator=gen)
+    view = wide[:, :70]  # the sampler's logits past the real vocabulary are sliced off
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = _reference_mask(view.contiguous(), mask, [3, 1])
+    before = wide.clone()
+    apply_bitmask_numpy(view, mask, rows=[3, 1])
+    assert torch.equal(view, want)
+    assert torch.equal(wide[:, 70:], before[:, 70:])
