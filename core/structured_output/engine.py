@@ -37,6 +37,12 @@ PARKED_WAIT_S = 0.02
 """How long an otherwise idle loop waits for a compile before it looks for commands again."""
 
 
+def needs_sync_step(sched: SchedulerOutput) -> bool:
+    """Whether a step must run synchronously: one of its rows samples under a grammar, whose
+    mask needs the row's previous token accepted first (for the asynchronous scheduler)."""
+    return any(s.sample and s.params.structured is not None for s in sched.scheduled)
+
+
 class StructuredOutputs:
     """The engine core's structured-output state (one per engine core).
 

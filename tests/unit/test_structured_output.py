@@ -482,6 +482,7 @@ def test_step_masks_follow_each_sample_and_an_errored_matcher_allows_only_eos(ti
     from core.sampling_params import SamplingParams
     from core.scheduler import ScheduledSequence, SchedulerOutput
     from core.structured_output.bitmask import unpack_bitmask
+    from core.structured_output.engine import needs_sync_step
 
     so, sched = _manager(tiny), _Scheduler()
     params = SamplingParams(structured=GrammarSpec.of("regex", "a+b"))
@@ -496,6 +497,7 @@ def test_step_masks_follow_each_sample_and_an_errored_matcher_allows_only_eos(ti
     a, b = tiny.convert_tokens_to_ids("a"), tiny.convert_tokens_to_ids("b")
     step = so.step_bitmask(out, sched)
     assert step.seq_ids == (seq.seq_id,)  # only the constrained row
+    assert needs_sync_step(out) and not needs_sync_step(SchedulerOutput(entries[1:], 0, 1))
     allowed = unpack_bitmask(step.bitmask, len(tiny))[0]
     assert allowed[a] and not allowed[b] and not allowed[tiny.eos_token_id]
     so.accept([RequestDelta("r", (SampleDelta(0, a, 0.0),))])
