@@ -273,7 +273,8 @@ class ModelRunner:
         if self.setup.comm.rank != 0:
             return DoneStep(ModelRunnerOutput({}, {}))
         scheduled = [sched.scheduled[i] for i in rows]
-        drawn = self.sampler.draw(logits, scheduled)
+        mask = sched.grammar.for_rows([s.seq_id for s in scheduled]) if sched.grammar is not None else None
+        drawn = self.sampler.draw(logits, scheduled, bitmask=mask)
         # The next step's placeholder tokens read these without a host round trip.
         self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
         if any(s.params.logprobs is not None for s in scheduled):

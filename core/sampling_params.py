@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.pooling import PoolingParams
+from core.structured_output.spec import GrammarSpec
 
 _GREEDY_EPS = 1e-5
 
@@ -58,6 +59,10 @@ class SamplingParams:
     detokenize: bool = True
     pooling: PoolingParams | None = None
     """Set for an embedding request: pool the prompt's hidden states (core/pooling.py)."""
+    structured: GrammarSpec | None = None
+    """Constrain the output to a grammar (a JSON schema, a regex, a choice, ...): build one
+    with ``GrammarSpec.of`` or :func:`core.structured_output.json_schema` and its siblings.
+    The engine compiles it off its loop and masks every token the grammar forbids."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Opaque per-request data for plugins; ignored by core."""
 
@@ -150,6 +155,12 @@ class SamplingParams:
             "stop_token_ids",
             self.stop_token_ids,
             "non-negative token ids",
+        )
+        _check(
+            self.structured is None or isinstance(self.structured, GrammarSpec),
+            "structured",
+            self.structured,
+            "a GrammarSpec (e.g. GrammarSpec.of('json_schema', schema)) or None",
         )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():

@@ -56,6 +56,7 @@ from core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from core.model_runner import ModelRunnerOutput, SampledToken
+    from core.structured_output.bitmask import StepBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def needs_host_tokens(params: SamplingParams) -> bool:
     """Whether a request's next step needs its previous token on the host: penalties (the
     sampler reads the output history from the schedule) and a grammar (its matcher
     advances with each accepted token)."""
-    return params.needs_token_history or getattr(params, "structured", None) is not None
+    return params.needs_token_history or params.structured is not None
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,9 @@ class SchedulerOutput:
     """Request ids the scheduler gave up on in this step (a lone sequence that can no
     longer grow within the cache; an error was logged). Their sequences are
     FINISHED_ABORTED and hold no blocks; ``update`` reports them with the reason."""
+    grammar: StepBitmask | None = None
+    """Structured output: the masks of the constrained rows that sample this step (set by
+    the engine core after ``schedule()``; the scheduler leaves it None)."""
 
     @property
     def is_empty(self) -> bool:

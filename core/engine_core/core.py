@@ -14,6 +14,7 @@ engine-core process's loop).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -28,12 +29,13 @@ from core.executor import Executor, UniExecutor
 from core.model_runner import RunnerSetup
 from core.models import ModelRegistry
 from core.ops import Ops
-from core.platform import Platform
+from core.platform import Capability, Platform
 from core.plugins import Plugins, load_plugins
 from core.pooling import attach_pooled
 from core.request import Request
 from core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from core.step_handle import ModelRunnerOutput, StepHandle
+from core.structured_output.engine import StructuredOutputs
 from core.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,11 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        m = config.model
+        caps = platform.capabilities
+        self.structured = StructuredOutputs(lambda: load_tokenizer(m.tokenizer, m.gguf_file, m.cache_dir),
+                                            vocab_size, eos_ids, pin_memory=Capability.PINNED_HOST_MEMORY in caps
+                                            and Capability.DEVICE_MEMORY in caps)
 
     @classmethod
     def from_args(cls, args: EngineArgs, plugins: Plugins | None = None) -> EngineCore:
@@ -143,22 +150,29 @@ class EngineCore:
             is in use.
         """
         limit = self.config.scheduler.max_waiting_requests
-        if limit is not None and self.scheduler.stats().num_waiting >= limit:
+        if limit is not None and self.scheduler.stats().num_waiting + self.structured.num_parked >= limit:
             raise EngineOverloaded(
                 f"{limit} requests are already waiting (--max-waiting-requests {limit}); retry later"
             )
-        if self.scheduler.get_request(req.request_id) is not None:
+        if self.scheduler.get_request(req.request_id) is not None or self.structured.is_parked(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use; ids must be unique")
         request = Request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                           arrival_time=req.arrival_time)
         for s in request.seqs:
             s.arrival_time = req.arrival_time
-        self.scheduler.add_request(request)
+        if req.params.structured is None:
+            self.scheduler.add_request(request)
+            return
+        reason = self.scheduler._never_fits(request)  # refused now, not once its grammar compiled
+        if reason is not None:
+            raise ValueError(reason)
+        self.structured.admit(request, self.scheduler.add_request)
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests now and free their blocks (unknown or finished ids are ignored)."""
         for rid in request_ids:
             self.scheduler.abort_request(rid)
+            self.structured.forget(rid)
 
     def stop_sample(self, request_id: str, index: int) -> None:
         """Finish one sample that the front end stopped (a stop string in its text)."""
@@ -167,15 +181,20 @@ class EngineCore:
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """One step: schedule -> execute -> update; with asynchronous scheduling, schedule
-        and launch the next step, then update with the one launched by the previous call."""
+        and launch the next step, then update with the one launched by the previous call.
+        Requests whose grammar finished compiling join the scheduler first; a step with a
+        constrained row runs after the step in flight is known (Scheduler.needs_sync), since
+        its token mask follows the tokens so far."""
+        deltas = self._release_compiled() if self.structured.has_parked() else []
         if not self.async_scheduling:
-            deltas = self.drain()  # a step launched before the loop was switched to sync
-            sched = self.scheduler.schedule()
+            deltas += self.drain()  # a step launched before the loop was switched to sync
+            sched = self._schedule()
             return deltas + self._update(sched, self.executor.execute(sched))
-        deltas = self.drain() if self.scheduler.needs_sync() else []
+        if self.scheduler.needs_sync():
+            deltas += self.drain()
         previous, self._in_flight = self._in_flight, None
         if self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             self._in_flight = (sched, self.executor.launch(sched))
         if previous is not None:
             deltas += self._update(previous[0], previous[1].result())
@@ -188,13 +207,28 @@ class EngineCore:
         (sched, handle), self._in_flight = self._in_flight, None
         return self._update(sched, handle.result())
 
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        grammar = self.structured.step_bitmask(sched, self.scheduler) if self.structured.active else None
+        return dataclasses.replace(sched, grammar=grammar) if grammar is not None else sched
+
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
         deltas = self.scheduler.update(sched, result)
-        return attach_pooled(deltas, sched, result.pooled) if result.pooled else deltas
+        if result.pooled:
+            deltas = attach_pooled(deltas, sched, result.pooled)
+        self.structured.accept(deltas)
+        return deltas
+
+    def _release_compiled(self) -> list[RequestDelta]:
+        """Requests whose grammar compiled join the scheduler (structured output)."""
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            self.structured.wait_for_compile()  # nothing else to run: do not spin
+        return self.structured.release_ready(self.scheduler.add_request)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request is unfinished or a step is in flight."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        """True while a request is unfinished, waits for its grammar, or a step is in flight."""
+        return (self._in_flight is not None or self.scheduler.has_unfinished_requests()
+                or self.structured.has_parked())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -204,6 +238,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

@@ -45,6 +45,7 @@ from core.sampler.kernel import NO_KERNEL, SamplingKernel, pack
 from core.sampler.logprobs import top_logprobs
 from core.sampler.processors import add_logit_bias, apply_penalties, mask_min_tokens
 from core.sampler.rows import SampleRow, SamplingBatch, Scratch, Staging
+from core.structured_output.bitmask import RowBitmask
 
 PLAIN = Staging(pinned=False)
 """Plain copies: the default, right wherever a read-back costs little (the CPU)."""
@@ -139,10 +140,14 @@ class Sampler:
         logits: torch.Tensor,
         rows: Sequence[SampleRow],
         vocab_size: int | None = None,
+        bitmask: RowBitmask | None = None,
     ) -> Drawn:
         """The first half of ``__call__``: the tokens, still on the logits' device (no
-        read-back)."""
+        read-back). ``bitmask``: grammar masks (structured output), applied to the logits
+        before every other stage, so logprobs are of the masked logits."""
         logits = _check_logits(logits, len(rows), vocab_size)
+        if bitmask is not None:
+            bitmask.apply(logits)
         if not rows:
             empty = torch.empty(0, dtype=torch.int64, device=logits.device)
             return Drawn(logits, empty, empty.float(), empty.float())

@@ -4,9 +4,9 @@ Lark or GBNF grammar), built on llguidance.
 The engine builds one :class:`GrammarCompiler` per tokenizer, compiles each request's
 :class:`GrammarSpec` off its loop (``submit`` returns a future), gives each sequence a
 :class:`GrammarMatcher`, fills one bitmask row per constrained sequence each step
-(:func:`fill_bitmasks`) and the sampler applies them (:func:`apply_bitmask` or :func:`apply_bitmask_compiled`,
-or :func:`apply_bitmask_host` where the device cannot). Not yet reachable from the server:
-docs/structured_output.md says how it will be wired.
+(:func:`fill_bitmasks`) and the sampler applies them (:func:`apply_bitmask`, or
+:func:`apply_bitmask_host` where the device cannot). The engine core's side is
+:mod:`core.structured_output.engine`; docs/structured_output.md says how it is wired.
 """
 
 from core.structured_output.bitmask import (
@@ -14,6 +14,7 @@ from core.structured_output.bitmask import (
     apply_bitmask,
     apply_bitmask_compiled,
     apply_bitmask_host,
+    apply_bitmask_numpy,
     unpack_bitmask,
 )
 from core.structured_output.compiler import CompiledGrammar, GrammarCompiler
@@ -31,6 +32,7 @@ __all__ = [
     "apply_bitmask",
     "apply_bitmask_compiled",
     "apply_bitmask_host",
+    "apply_bitmask_numpy",
     "close_objects",
     "fill_bitmasks",
     "unpack_bitmask",

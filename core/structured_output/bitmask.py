@@ -10,18 +10,24 @@ so the temporary is one byte per token rather than four.
 :func:`apply_bitmask_compiled` runs llguidance's ``torch.compile`` kernel instead (the same
 unpack and fill, fused): 30x faster than the eager ops on a CPU (docs/benchmarks/
 structured_output.md), but it needs a working ``torch.compile`` backend for the device (a C++
-compiler on CPU, Triton on CUDA/ROCm) and compiles for seconds on first use. Which of the
-two a device uses is for its platform to say. :func:`apply_bitmask_host` is the fallback for
-a device that cannot run these ops at all: the constrained rows go to the host, are masked
-there, and come back. All three take the same arguments and give the same result.
+compiler on CPU, Triton on CUDA/ROCm) and compiles for seconds on first use, so the engine
+does not use it. :func:`apply_bitmask_host` is the fallback for a device that cannot run
+these ops at all (:func:`device_path_works` asks the device once): the constrained rows go
+to the host, are masked there, and come back. All three take the same arguments and give
+the same result.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
@@ -102,6 +108,31 @@ def _check(bitmask: torch.Tensor, batch: int, rows: Sequence[int] | torch.Tensor
     return n
 
 
+def apply_bitmask_numpy(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None
+) -> None:
+    """:func:`apply_bitmask` for logits in host memory, in place through numpy on this
+    thread. At one row of a 49k vocabulary torch's CPU ops hand the work to their thread
+    pool and, on a busy host, wait milliseconds for it; numpy's unpack and ``putmask`` run
+    here in a fraction of that (docs/benchmarks/structured_output.md)."""
+    batch, vocab = logits.shape
+    n = _check(bitmask, batch, rows)
+    if n == 0:
+        return
+    if logits.device.type != "cpu":
+        raise ValueError(f"apply_bitmask_numpy needs logits in host memory, not on {logits.device}")
+    arr = logits.detach().numpy()  # shares the tensor's memory (strided views too)
+    allowed = np.zeros((n, vocab), dtype=bool)
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    width = min(vocab, bits.shape[1])
+    allowed[:, :width] = bits[:, :width]
+    if rows is None:
+        np.putmask(arr, ~allowed, -np.inf)
+        return
+    index = np.asarray(rows.tolist() if isinstance(rows, torch.Tensor) else list(rows), dtype=np.int64)
+    arr[index] = np.where(allowed, arr[index], -np.inf)
+
+
 def apply_bitmask_host(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None
 ) -> None:
@@ -125,3 +156,73 @@ def apply_bitmask_host(
         logits.copy_(part)
     else:
         logits[index] = part.to(logits.device)
+
+
+# ---- one step's masks, from the engine core to the sampler -------------------------------------
+@dataclass(frozen=True)
+class StepBitmask:
+    """The grammar masks of one step, filled on the host by the engine core and carried to
+    the runner in the :class:`~core.scheduler.SchedulerOutput` (pickled to workers as is)."""
+
+    seq_ids: tuple[int, ...]
+    """The sequence of each bitmask row; each is scheduled with ``sample=True`` this step."""
+    bitmask: torch.Tensor
+    """``[len(seq_ids), ceil(vocab / 32)]`` int32, on the host."""
+
+    def for_rows(self, row_seq_ids: Sequence[int]) -> RowBitmask:
+        """The masks addressed to the sampler's rows (``row_seq_ids[i]`` is row i's sequence).
+
+        :raises ValueError: a masked sequence is not among the rows (a runner bug).
+        """
+        where = {s: i for i, s in enumerate(row_seq_ids)}
+        missing = [s for s in self.seq_ids if s not in where]
+        if missing:
+            raise ValueError(f"grammar masks for sequences {missing[:5]} that this step does not sample")
+        return RowBitmask(self.bitmask, tuple(where[s] for s in self.seq_ids))
+
+
+@dataclass(frozen=True)
+class RowBitmask:
+    """Bitmask rows and the logits row each one masks: the sampler's first stage."""
+
+    bitmask: torch.Tensor
+    rows: tuple[int, ...]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Forbidden tokens of the masked rows to ``-inf``, in place: on the logits' device
+        where it runs the unpack ops correctly (checked once per device type), else through
+        the host."""
+        if not self.rows:
+            return
+        rows = None if self.rows == tuple(range(logits.shape[0])) else list(self.rows)
+        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+            apply_bitmask_numpy(logits, self.bitmask, rows)
+        elif device_path_works(logits.device.type):
+            apply_bitmask(logits, self.bitmask, rows)
+        else:
+            apply_bitmask_host(logits, self.bitmask, rows)
+
+
+@functools.cache
+def device_path_works(device_type: str) -> bool:
+    """Whether :func:`apply_bitmask` gives :func:`apply_bitmask_host`'s result on this kind
+    of device: asked of the device itself, once, on random logits and masks (a device
+    without uint8 shifts or boolean ``masked_fill`` raises or differs; it gets the host
+    path). The CPU needs no check: the host path's reference is the CPU."""
+    if device_type == "cpu":
+        return True
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 100, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_bitmask_host(want, mask, [0, 2])
+    try:
+        got = logits.to(device_type)
+        apply_bitmask(got, mask, [0, 2])
+        ok = torch.equal(got.cpu(), want)
+    except Exception as e:  # noqa: BLE001 - any failure of the ops means: use the host path
+        logger.warning("grammar masks on %s: the device path failed (%s); masking on the host", device_type, e)
+        return False
+    if not ok:
+        logger.warning("grammar masks on %s: the device path gave a wrong result; masking on the host", device_type)
+    return ok

@@ -74,6 +74,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
+        self._checked: OrderedDict[GrammarSpec, None] = OrderedDict()
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """Compile ``spec`` in the pool (or return the cached or in-flight future). The
@@ -91,6 +92,31 @@ class GrammarCompiler:
         fut.add_done_callback(lambda f: self._forget_failed(spec, f))
         return fut
 
+    def check(self, spec: GrammarSpec) -> None:
+        """Validate ``spec`` now, in this thread (milliseconds: no lexer is built), so a
+        request the library refuses is refused when it arrives. Specs already compiled or
+        checked return at once.
+
+        :raises GrammarError: the library's message, naming the request field.
+        """
+        with self._lock:
+            fut = self._cache.get(spec)
+            if spec in self._checked or (fut is not None and fut.done() and fut.exception() is None):
+                return
+        self._validate(spec.to_llguidance(), spec)
+        with self._lock:
+            self._checked[spec] = None
+            while len(self._checked) > self._cache_size:
+                self._checked.popitem(last=False)
+
+    def _validate(self, grammar: str, spec: GrammarSpec) -> None:
+        try:
+            is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        except Exception as e:  # noqa: BLE001 - whatever the library raises, it is the spec's fault
+            raise GrammarError(f"{spec.field or spec.kind}: {e}") from None
+        if is_error:
+            raise GrammarError(f"{spec.field or spec.kind}: {messages[0]}")
+
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """:meth:`submit` and wait (tests, the offline ``LLM``)."""
         return self.submit(spec).result()
@@ -104,9 +130,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         grammar = spec.to_llguidance()
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            raise GrammarError(f"{spec.field or spec.kind}: {messages[0]}")
+        self._validate(grammar, spec)
         template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(f"{spec.field or spec.kind}: {template.get_error()}")

@@ -72,6 +72,8 @@ def fill_bitmasks(
     if rows and not 0 <= min(rows) <= max(rows) < bitmask.shape[0]:
         raise IndexError(f"bitmask rows {min(rows)}..{max(rows)} out of range for {bitmask.shape[0]} rows")
     pairs = [(m._m, int(r)) for m, r in zip(matchers, rows)]
+    if not pairs:  # the library refuses an empty batch
+        return
     compiler.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 

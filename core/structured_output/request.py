@@ -97,7 +97,9 @@ def spec_from_request(fields: Mapping[str, Any]) -> GrammarSpec | None:
     except ValueError as e:
         raise GrammarError(str(e)) from None
     if schema is not None:
-        found.append(("tool_choice", GrammarSpec.of("json_schema", schema, strict=False, field="tools")))
+        # Closed objects: a forced call carries the declared arguments only (OpenAI's strict
+        # function calling), and a walk cannot wander into invented keys until max_tokens.
+        found.append(("tool_choice", GrammarSpec.of("json_schema", schema, strict=True, field="tools")))
     if len(found) > 1:
         raise GrammarError(
             f"{found[0][0]} and {found[1][0]} both constrain the output; send only one of them"

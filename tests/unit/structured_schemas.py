@@ -151,3 +151,33 @@ SCHEMAS: dict[str, dict] = {
         "$defs": {"Line": {"title": "Line", "type": "object", "properties": {"text": S, "amount": {"type": "integer", "minimum": 0, "maximum": 1000}}, "required": ["text", "amount"], "additionalProperties": False}},
     },
 }
+
+
+def bounded_numbers(schema: dict, limit: int = 10**6) -> dict:
+    """A copy of ``schema`` whose integers and numbers without bounds get ``[-limit, limit]``.
+
+    For runs through a real (random) model: the grammar allows numbers of any length, and a
+    random model's greedy loop can write digits until ``max_tokens`` (an honest
+    ``finish_reason: length``, but no JSON to validate). Random walks need no bounds."""
+    import copy
+
+    out = copy.deepcopy(schema)
+    stack: list = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("type") in ("integer", "number") and "enum" not in node and "const" not in node:
+            if "maximum" not in node and "exclusiveMaximum" not in node:
+                node["maximum"] = limit
+            if "minimum" not in node and "exclusiveMinimum" not in node:
+                node["minimum"] = -limit
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key not in ("enum", "const", "default", "examples"):
+                stack.append(value)
+    return out

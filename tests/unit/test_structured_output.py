@@ -29,6 +29,7 @@ from core.structured_output import (
     apply_bitmask,
     apply_bitmask_compiled,
     apply_bitmask_host,
+    apply_bitmask_numpy,
     close_objects,
     fill_bitmasks,
     unpack_bitmask,
@@ -300,7 +301,7 @@ def _reference_mask(logits, bitmask, rows):
     return out
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host, apply_bitmask_numpy])
 @pytest.mark.parametrize("vocab,words", [(1003, 32), (64, 2), (100, 3)])
 def test_apply_bitmask_matches_reference(apply, vocab, words):
     gen = torch.Generator().manual_seed(vocab)
@@ -317,7 +318,7 @@ def test_apply_bitmask_matches_reference(apply, vocab, words):
     assert torch.equal(got, _reference_mask(logits, bitmask, list(range(batch))))
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host])
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_compiled, apply_bitmask_host, apply_bitmask_numpy])
 def test_apply_bitmask_refuses_mismatched_rows(apply):
     with pytest.raises(ValueError, match=r"bitmask has 2 rows for 3 logits rows"):
         apply(torch.zeros(3, 64), torch.zeros(2, 2, dtype=torch.int32))
@@ -361,8 +362,9 @@ _TOOLS = [{"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}
         ({"guided_grammar": 'root ::= "x"', "guided_decoding_backend": "auto"}, ("grammar", 'root ::= "x"', True)),
         ({"guided_json": _SCHEMA}, ("json_schema", json.dumps(_SCHEMA), True)),
         ({"tools": _TOOLS, "tool_choice": "auto"}, None),
+        # forced calls are strict: the declared arguments only
         ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-         ("json_schema", json.dumps(_SCHEMA), False)),
+         ("json_schema", json.dumps(_SCHEMA), True)),
     ],
 )
 def test_request_fields_map_to_one_spec(fields, want):
@@ -389,3 +391,132 @@ def test_request_fields_map_to_one_spec(fields, want):
 def test_request_field_errors_name_the_fields(fields, pattern):
     with pytest.raises(GrammarError, match=pattern):
         spec_from_request(fields)
+
+
+# ---- the engine core's side: step masks, parking, matchers -------------------------------------
+def test_step_bitmask_addresses_the_sampler_rows_by_sequence():
+    from core.structured_output.bitmask import StepBitmask
+
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    step = StepBitmask(seq_ids=(17, 5), bitmask=mask)
+    rows = step.for_rows([5, 9, 17])  # the sampler's row order differs from the mask's
+    assert rows.rows == (2, 0)
+    logits = torch.randn(3, 90, generator=gen)
+    got = logits.clone()
+    rows.apply(got)
+    want = _reference_mask(logits, mask, [2, 0])
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], logits[1])  # the unconstrained row is untouched
+    with pytest.raises(ValueError, match=r"sequences \[17\]"):
+        step.for_rows([5, 9])
+
+
+def test_device_path_is_trusted_on_the_cpu():
+    from core.structured_output.bitmask import device_path_works
+
+    assert device_path_works("cpu")
+
+
+class _Scheduler:
+    """The two scheduler calls StructuredOutputs makes."""
+
+    def __init__(self):
+        self.added = []
+
+    def add_request(self, request):
+        self.added.append(request)
+
+    def get_request(self, rid):
+        return next((r for r in self.added if r.request_id == rid), None)
+
+
+def _manager(tok):
+    from core.structured_output.engine import StructuredOutputs
+
+    return StructuredOutputs(lambda: tok, len(tok), [tok.eos_token_id])
+
+
+@pytest.fixture
+def tiny_tok():
+    return build_tokenizer(512)
+
+
+def test_requests_park_until_compiled_and_failures_finish_them(tiny_tok):
+    tiny = tiny_tok
+    from concurrent.futures import Future
+
+    from core.request import Request
+    from core.sampling_params import SamplingParams
+
+    so, sched = _manager(tiny), _Scheduler()
+    spec = GrammarSpec.of("regex", "[ab]{2,4}")
+    gate, compile_now = threading.Event(), so.compiler._compile
+    so.compiler._compile = lambda s: gate.wait(60) and compile_now(s)  # hold the compile until told
+    parked = Request("r1", (1, 5), SamplingParams(structured=spec))
+    so.admit(parked, sched.add_request)
+    assert sched.added == [] and so.has_parked()  # a fresh spec: compiling in the pool
+    assert so.release_ready(sched.add_request) == [] and sched.added == []
+    gate.set()
+    so.wait_for_compile(timeout=60)
+    assert so.release_ready(sched.add_request) == [] and sched.added == [parked] and not so.has_parked()
+    cached = Request("r2", (1, 5), SamplingParams(structured=spec))
+    so.admit(cached, sched.add_request)
+    assert sched.added == [parked, cached]  # cached: straight to the scheduler
+    with pytest.raises(GrammarError, match="unclosed group"):
+        so.admit(Request("r3", (1,), SamplingParams(structured=GrammarSpec.of("regex", "(a"))), sched.add_request)
+    failing: Future = Future()
+    failing.set_exception(GrammarError("regex: the pool failed"))
+    so.compiler.submit = lambda s: failing
+    doomed = Request("r4", (1,), SamplingParams(structured=GrammarSpec.of("regex", "c+")))
+    so.admit(doomed, sched.add_request)
+    (delta,) = so.release_ready(sched.add_request)
+    assert delta.request_id == "r4" and delta.finished and "the pool failed" in delta.abort_reason
+    assert doomed not in sched.added and not so.has_parked()
+
+
+def test_step_masks_follow_each_sample_and_an_errored_matcher_allows_only_eos(tiny_tok):
+    tiny = tiny_tok
+    from core.engine_core.types import RequestDelta, SampleDelta
+    from core.request import Request
+    from core.sampling_params import SamplingParams
+    from core.scheduler import ScheduledSequence, SchedulerOutput
+    from core.structured_output.bitmask import unpack_bitmask
+    from core.structured_output.engine import needs_sync_step
+
+    so, sched = _manager(tiny), _Scheduler()
+    params = SamplingParams(structured=GrammarSpec.of("regex", "a+b"))
+    req = Request("r", (1, 5), params)
+    so.compiler.compile(params.structured)
+    so.admit(req, sched.add_request)
+    seq = req.seqs[0]
+    plain = SamplingParams()
+    entries = (ScheduledSequence(seq.seq_id, "r", (5,), 1, (), True, params, 0),
+               ScheduledSequence(99, "other", (5,), 1, (), True, plain, 0))
+    out = SchedulerOutput(entries, 0, 2)
+    a, b = tiny.convert_tokens_to_ids("a"), tiny.convert_tokens_to_ids("b")
+    step = so.step_bitmask(out, sched)
+    assert step.seq_ids == (seq.seq_id,)  # only the constrained row
+    assert needs_sync_step(out) and not needs_sync_step(SchedulerOutput(entries[1:], 0, 1))
+    allowed = unpack_bitmask(step.bitmask, len(tiny))[0]
+    assert allowed[a] and not allowed[b] and not allowed[tiny.eos_token_id]
+    so.accept([RequestDelta("r", (SampleDelta(0, a, 0.0),))])
+    allowed = unpack_bitmask(so.step_bitmask(out, sched).bitmask, len(tiny))[0]
+    assert allowed[a] and allowed[b]
+    so.accept([RequestDelta("r", (SampleDelta(0, tiny.eos_token_id, 0.0),))])  # forbidden here
+    allowed = unpack_bitmask(so.step_bitmask(out, sched).bitmask, len(tiny))[0]
+    assert allowed.nonzero().flatten().tolist() == [tiny.eos_token_id]
+    so.accept([RequestDelta("r", (SampleDelta(0, tiny.eos_token_id, 0.0, finish_reason="stop"),), finished=True)])
+    assert not so.active and so._matchers == {} and so._seq_index == {}
+
+
+def test_numpy_path_masks_a_strided_view_in_place():
+    gen = torch.Generator().manual_seed(8)
+    wide = torch.randn(4, 80, generator=gen)
+    view = wide[:, :70]  # the sampler's logits past the real vocabulary are sliced off
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = _reference_mask(view.contiguous(), mask, [3, 1])
+    before = wide.clone()
+    apply_bitmask_numpy(view, mask, rows=[3, 1])
+    assert torch.equal(view, want)
+    assert torch.equal(wide[:, 70:], before[:, 70:])

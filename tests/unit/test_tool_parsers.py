@@ -337,3 +337,84 @@ def test_any_arguments_any_split(fmt, content, calls, ensure_ascii, cuts):
     assert (got_content, [(c.id, c.function.name, c.function.arguments) for c in got_calls]) == want
     for (_, args), call in zip(calls, got_calls):
         assert json.loads(call.function.arguments) == json.loads(args)
+
+
+# ---- a chat choice's message: reasoning, then tool calls (core/entrypoints/openai/chat_output.py)
+def _stream_shape(shape, pieces):
+    streamer = shape.streamer()
+    deltas = [d for d in [*(streamer.feed(p) for p in pieces), streamer.finish()] if d is not None]
+    reasoning = "".join(d.reasoning_content or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = {}
+    for d in deltas:
+        for c in d.tool_calls or ():
+            call = calls.setdefault(c.index, {"name": "", "arguments": ""})
+            call["name"] += c.function.name or ""
+            call["arguments"] += c.function.arguments or ""
+    return reasoning or None, content or None, calls, streamer.has_calls
+
+
+SHAPED = ('<think>why not</think>Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("cut", range(0, len(SHAPED) + 1, 7))
+def test_choice_shape_streamed_equals_whole(cut):
+    from core.entrypoints.openai.chat_output import ChoiceShape
+
+    shape = ChoiceShape(reasoning_parser="qwen3", tool_parser="hermes")
+    whole = shape.message(SHAPED)
+    assert whole.reasoning_content == "why not" and whole.content == "Sure."
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    reasoning, content, calls, has_calls = _stream_shape(shape, [SHAPED[:cut], SHAPED[cut:]])
+    assert (reasoning, content) == (whole.reasoning_content, whole.content) and has_calls
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls]
+
+
+def test_choice_shape_single_call_and_finish_reasons():
+    from core.entrypoints.openai.chat_output import ChoiceShape
+
+    one = ChoiceShape(tool_parser="hermes", parallel_tool_calls=False)
+    assert [c.function.name for c in one.message(SHAPED.split("</think>")[1]).tool_calls] == ["f"]
+    _, _, calls, _ = _stream_shape(one, list(SHAPED.split("</think>")[1]))
+    assert list(calls) == [0]
+    assert one.finish_reason("stop", True) == "tool_calls" and one.finish_reason("length", True) == "length"
+    assert one.finish_reason("stop", False) == "stop"
+    named = ChoiceShape(tool_choice={"type": "function", "function": {"name": "f"}})
+    msg = named.message('{"x": 2}')
+    assert msg.content is None and msg.tool_calls[0].function.arguments == '{"x": 2}'
+    assert named.finish_reason("stop", True) == "stop"  # OpenAI's reason for a named function
+    plain = ChoiceShape()
+    assert plain.message("<tool_call>x</tool_call>").content == "<tool_call>x</tool_call>"  # no parser: text
+
+
+def test_auto_without_a_parser_or_known_template_is_a_400_naming_the_flag():
+    from types import SimpleNamespace
+
+    from core.entrypoints.openai.chat import _tool_mode
+    from core.entrypoints.openai.errors import OpenAIError
+    from core.entrypoints.openai.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                tools=[{"type": "function", "function": {"name": "f"}}])
+    ctx = SimpleNamespace(tool_call_parser=None, chat_template="{{ messages }}",
+                          engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None)))
+    with pytest.raises(OpenAIError, match="--tool-call-parser") as e:
+        _tool_mode(ctx, req)
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+    ctx.tool_call_parser = "mistral"
+    assert _tool_mode(ctx, req) == ("mistral", None)
+    ctx.tool_call_parser, ctx.chat_template = None, "... <tool_call> ..."
+    assert _tool_mode(ctx, req) == ("hermes", None)
+    forced = req.model_copy(update={"tool_choice": "required"})
+    assert _tool_mode(ctx, forced) == (None, "required")
+
+
+def test_ignored_fields_header_value_is_safe_and_bounded():
+    from core.entrypoints.openai.serving import ignored_fields_value
+
+    assert ignored_fields_value(["a", "b_c"]) == "a, b_c"
+    assert ignored_fields_value(["x\r\ny", "é,z"]) == "x??y, ??z"
+    long = ignored_fields_value([f"f{i}" for i in range(1000)])
+    assert len(long) <= 1024 and long.endswith(", ...")

@@ -60,6 +60,12 @@ class ServerArgs:
     """Host header values answered; None = loopback names for a loopback bind, else any."""
     enable_docs: bool = False
     """Serve /docs and /redoc even with an API key (they are always on without one)."""
+    # ---- structured output, tools, reasoning (docs/structured_output.md) ----
+    tool_call_parser: str | None = None
+    """Parser of the model's tool-call markup for ``tool_choice: auto``; None = guessed from
+    the chat template."""
+    reasoning_parser: str | None = None
+    """Splits ``<think>`` reasoning into ``reasoning_content``; None = off."""
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_header_bytes", "port"):
@@ -103,7 +109,22 @@ class ServerArgs:
             max_header_bytes=ns.max_header_bytes,
             allowed_hosts=_hosts(ns.allowed_hosts),
             enable_docs=ns.enable_docs,
+            tool_call_parser=getattr(ns, "tool_call_parser", None),
+            reasoning_parser=getattr(ns, "reasoning_parser", None),
         )
+
+
+def _add_structured_args(parser: argparse.ArgumentParser) -> None:
+    from core.entrypoints.openai.reasoning import REASONING_PARSERS
+    from core.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    g = parser.add_argument_group("tools and reasoning")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="format of the model's tool calls, for tool_choice 'auto' (default: guessed from the "
+                        "chat template; 'required' and named functions need none)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="return the model's <think> block as reasoning_content (qwen3: the model writes the "
+                        "tags; deepseek_r1: the prompt opens the block)")
 
 
 def _require(name: str, value, low: float, kind: str, real: bool = False, optional: bool = False) -> None:
@@ -165,6 +186,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "default: localhost, 127.0.0.1, [::1] for a loopback --host (DNS-rebinding "
                         "defence), any otherwise")
     g.add_argument("--enable-docs", action="store_true", help="serve /docs and /redoc even with --api-key")
+    _add_structured_args(parser)
     lim = parser.add_argument_group("limits")
     lim.add_argument("--max-request-body-bytes", type=int, default=ServerArgs.max_request_body_bytes,
                      help="largest request body in bytes; bigger ones get 413 (default 8 MiB)")

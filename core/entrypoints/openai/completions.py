@@ -18,6 +18,7 @@ from core.entrypoints.openai.errors import OpenAIError, bad_request
 from core.entrypoints.openai.logprobs import completion_logprobs
 from core.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Usage,
@@ -30,6 +31,7 @@ from core.entrypoints.openai.serving import (
     engine_error,
     final_output,
     merge_streams,
+    prompt_logprobs_json,
     until_disconnect,
     until_expired,
 )
@@ -50,8 +52,9 @@ def _check(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of={req.best_of} differs from n={req.n}; only best_of == n is supported",
                           param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported; drop one of them", param="echo")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available with stream=true; send stream=false",
+                          param="prompt_logprobs")
 
 
 def _check_prompts(ctx: ServerContext, req: CompletionRequest, prompts: list[str | list[int]]) -> None:
@@ -69,17 +72,21 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     _check(req)
     prompts = _prompts(req.prompt)
     _check_prompts(ctx, req, prompts)
-    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
+    spec = ctx.structured_spec(req)
+    params = ctx.sampling_params(req, req.max_tokens, req.logprobs, structured=spec,
+                                 prompt_logprobs=_prompt_logprobs_k(req))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    ctx.warn_unknown_fields(request_id, req)
-    texts = await ctx.token_texts() if req.logprobs is not None else []
+    headers = ctx.warn_unknown_fields(request_id, req)
+    await ctx.check_grammar(spec)
+    texts = await ctx.token_texts() if params.logprobs is not None or params.prompt_logprobs is not None else []
     # text prompts are measured only once tokenized (in the engine client): refuse there too
     streams = await ctx.submit(request_id, prompts, params, req.priority,
                                exact_max_tokens="max_tokens" in req.model_fields_set)
     ctx.log_received(request_id, "completions", req, prompts, req.max_tokens)
     if req.stream:
         events = _events(ctx, req, request_id, streams, texts)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
     async def collect() -> list[RequestOutput]:
         return list(await asyncio.gather(*(final_output(s) for s in streams)))
 
@@ -96,15 +103,59 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     echoes = await _echo_texts(ctx, req, outs)
     resp = CompletionResponse(id=request_id, model=ctx.model_name, choices=[], usage=_usage(outs))
     for i, out in enumerate(outs):
+        plp = prompt_logprobs_json(out, texts) if req.prompt_logprobs is not None else None
         for comp in out.outputs:
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(comp.token_ids, comp.logprobs or (), range(len(comp.token_ids)),
-                                         req.logprobs, texts, 0)
+                lp = _choice_logprobs(req, out, comp, texts, echoes[i])
             resp.choices.append(CompletionChoice(index=i * req.n + comp.index, text=echoes[i] + comp.text,
                                                  logprobs=lp, finish_reason=comp.finish_reason,
-                                                 stop_reason=comp.stop_reason))
-    return JSONResponse(resp.model_dump())
+                                                 stop_reason=comp.stop_reason, prompt_logprobs=plp))
+    return JSONResponse(resp.model_dump(), headers=headers)
+
+
+def _prompt_logprobs_k(req: CompletionRequest) -> int | None:
+    """Prompt logprobs the engine computes: the request's, or with echo and logprobs the
+    top ``logprobs`` of each echoed prompt token (OpenAI's echo layout), whichever is more."""
+    if not (req.echo and req.logprobs is not None):
+        return req.prompt_logprobs
+    return max(req.logprobs, req.prompt_logprobs or 0)
+
+
+def _choice_logprobs(req: CompletionRequest, out: RequestOutput, comp, texts: list[str],
+                     echo: str) -> CompletionLogprobs:
+    """The legacy logprobs of one choice; with echo the prompt tokens come first (the first
+    one has no logprob: nothing precedes it)."""
+    gen = completion_logprobs(comp.token_ids, comp.logprobs or (), range(len(comp.token_ids)),
+                              req.logprobs, texts, len(echo))
+    if not req.echo:
+        return gen
+    head = _echo_logprobs(out, req.logprobs, texts, echo)
+    return CompletionLogprobs(
+        text_offset=head.text_offset + gen.text_offset, token_logprobs=head.token_logprobs + gen.token_logprobs,
+        tokens=head.tokens + gen.tokens, top_logprobs=head.top_logprobs + gen.top_logprobs)
+
+
+def _echo_logprobs(out: RequestOutput, k: int, texts: list[str], echo: str) -> CompletionLogprobs:
+    """The echoed prompt's part of the legacy logprobs: every prompt token, the first one
+    without a logprob (nothing precedes it). Offsets count the tokens' texts."""
+    ids = list(out.prompt_token_ids)
+    first = texts[ids[0]] if ids[0] < len(texts) else ""
+    head = completion_logprobs(ids[1:], (out.prompt_logprobs or ())[1:], range(len(ids) - 1), k, texts, 0)
+    tokens = [first, *head.tokens]
+    return CompletionLogprobs(text_offset=_offsets_in(echo, tokens), token_logprobs=[None, *head.token_logprobs],
+                              tokens=tokens, top_logprobs=[None, *head.top_logprobs])
+
+
+def _offsets_in(text: str, tokens: list[str]) -> list[int]:
+    """Where each token starts in the echoed ``text``: a token whose text is not there (BOS,
+    half a character) takes the position of what follows it."""
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        if tok and text.startswith(tok, pos):
+            pos += len(tok)
+    return offsets
 
 
 async def _echo_texts(ctx: ServerContext, req: CompletionRequest, outs: list[RequestOutput]) -> list[str]:
@@ -134,17 +185,21 @@ async def _events(
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cursors: dict[int, ChoiceCursor] = {}
     finals: dict[int, RequestOutput] = {}
+    echoed: dict[int, int] = {}  # prompt index -> length of its echoed text
     try:
         async for i, out in until_expired(ctx, merge_streams(streams)):
-            if req.echo and not any(i * req.n + c.index in cursors for c in out.outputs):
+            # Echo once the prompt is computed (its logprobs, with logprobs, are complete then).
+            if req.echo and i not in echoed and (out.finished or any(c.token_ids for c in out.outputs)):
                 echo = out.prompt if out.prompt is not None else await _echo_ids(ctx, out)
+                echoed[i] = len(echo)
+                lp = _echo_logprobs(out, req.logprobs, texts, echo) if req.logprobs is not None else None
                 yield _sse(_chunk(request_id, created, ctx, [
-                    CompletionChoice(index=i * req.n + k, text=echo) for k in range(req.n)]))
+                    CompletionChoice(index=i * req.n + k, text=echo, logprobs=lp) for k in range(req.n)]))
             choices = []
             for comp in out.outputs:
                 index = i * req.n + comp.index
                 cur = cursors.setdefault(index, ChoiceCursor())
-                start = cur.text_sent
+                start = cur.text_sent + echoed.get(i, 0)
                 delta, positions, reason = cur.advance(comp, stops)
                 lp = None
                 if req.logprobs is not None and len(positions):

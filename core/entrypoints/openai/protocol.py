@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
+from core.entrypoints.openai.tool_parsers.base import DeltaToolCall, ToolCall
+
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64
@@ -52,7 +54,9 @@ LogitBias = Annotated[
 class StrictModel(BaseModel):
     """Base of every request body: no type coercion (see the module docstring)."""
 
-    model_config = ConfigDict(strict=True)
+    # Unknown nested fields are refused (a 400 naming them), never dropped silently; only
+    # the top level of a request body is lenient (SamplingRequest).
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -76,7 +80,8 @@ class StreamOptions(StrictModel):
 class SamplingRequest(StrictModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
-    # Unknown fields are accepted and ignored (as vLLM does); they are listed in the log.
+    # Unknown top-level fields are accepted and ignored (as vLLM does); the log and the
+    # response header X-Ignored-Fields name them (docs/serving.md, "Request fields").
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: Text | None = Field(None, description="Served model name; omitted means the served model.")
@@ -103,6 +108,19 @@ class SamplingRequest(StrictModel):
     include_stop_str_in_output: bool = Field(False, description="extension")
     skip_special_tokens: bool = Field(True, description="extension")
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="extension: lower runs first (--scheduling-policy priority)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="extension: top logprobs of every prompt token")
+    # structured output (docs/structured_output.md): at most one of these per request
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'schema': ..., 'strict': ...}}")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="extension: exactly one of json, regex, choice, grammar, json_object")
+    guided_json: dict[str, Any] | Text | None = Field(None, description="extension (older vLLM name)")
+    guided_regex: Text | None = Field(None, description="extension (older vLLM name)")
+    guided_choice: list[Text] | None = Field(None, description="extension (older vLLM name)")
+    guided_grammar: Text | None = Field(None, description="extension (older vLLM name)")
+    guided_decoding_backend: Text | None = Field(None, description="extension: only 'auto' / 'guidance'")
+    guided_whitespace_pattern: Text | None = Field(None, description="extension: not supported, must be null")
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
@@ -131,12 +149,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's layout of one token's prompt logprob."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = Field(None, description="extension: the stop string or token id that matched")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="extension: with prompt_logprobs, per prompt token (None for the first)")
 
 
 class Usage(BaseModel):
@@ -160,10 +188,48 @@ class TextPart(StrictModel):
     text: Text
 
 
+class FunctionCallIn(StrictModel):
+    name: NonEmptyStr
+    arguments: Text
+    """JSON text of the arguments object (as OpenAI returns it)."""
+
+
+class ToolCallIn(StrictModel):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant turns: the calls it made")
+    tool_call_id: Text | None = Field(None, description="tool turns: the call this answers")
+    reasoning_content: Text | None = Field(None, description="extension: assistant turns' reasoning, for templates that show it")
+
+
+class FunctionDef(StrictModel):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -172,10 +238,15 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Count | None = Field(None, description="More than the model's room is a 400.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported; must be null or empty.")
-    tool_choice: Text | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default 'auto' with tools; 'required' and a named function are enforced by a grammar.")
+    parallel_tool_calls: bool = Field(True, description="false: at most one tool call per choice")
     add_generation_prompt: bool = Field(True, description="extension")
+    continue_final_message: bool = Field(
+        False, description="extension: continue the last (assistant) message instead of starting a new one")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extension: extra variables for the chat template (e.g. enable_thinking)")
 
 
 class TopLogprob(BaseModel):
@@ -195,13 +266,18 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="extension: with --reasoning-parser")
+    tool_calls: list[ToolCall] | None = None
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = Field(None, description="extension")
 
 
@@ -212,18 +288,22 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="extension: with prompt_logprobs, per prompt token (None for the first)")
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

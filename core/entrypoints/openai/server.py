@@ -149,7 +149,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: Metrics, served
     served = served or ServedModel((metrics.model_name,))
     ctx = ServerContext(engine, served.primary, args.chat_template,
                         log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                        max_prompt_chars=args.max_prompt_chars, grace=grace, served=served)
+                        max_prompt_chars=args.max_prompt_chars, grace=grace, served=served,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -16,11 +17,15 @@ from fastapi import Request
 from core.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from core.engine import EngineOverloaded
 from core.entrypoints.openai.errors import OpenAIError, bad_request, clip
-from core.entrypoints.openai.protocol import SamplingRequest
+from core.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
+from core.entrypoints.openai.reasoning import make_reasoning_parser
 from core.entrypoints.openai.served import ServedModel
 from core.entrypoints.openai.shutdown import ShutdownGrace
+from core.entrypoints.openai.tool_parsers import get_tool_parser
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling_params import SamplingParams
+from core.structured_output import GrammarCompiler, GrammarError, GrammarSpec
+from core.structured_output.request import spec_from_request
 
 logger = logging.getLogger("core.entrypoints.openai")
 
@@ -51,6 +56,8 @@ class ServerContext:
         max_prompt_chars: int | None = None,
         grace: ShutdownGrace | None = None,
         served: ServedModel | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
@@ -67,6 +74,13 @@ class ServerContext:
         self.grace = grace
         self._token_texts: list[str] | None = None
         self._token_texts_lock = asyncio.Lock()
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # an unknown name fails at start-up, listing the known
+        if reasoning_parser is not None:
+            make_reasoning_parser(reasoning_parser)
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self._grammars: GrammarCompiler | None = None
 
     # ---- request checks ---------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -114,8 +128,14 @@ class ServerContext:
                 f"{param}={max_tokens} does not fit: max_model_len is {self.max_model_len} tokens and {which}"
                 f"so at most {room} can be generated; lower {param}", param=param, code="max_tokens_too_large")
 
-    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams for ``req``; a bad combination becomes a 400."""
+    def sampling_params(
+        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+        structured: GrammarSpec | None = None, prompt_logprobs: int | None = None,
+        skip_special_tokens: bool | None = None,
+    ) -> SamplingParams:
+        """The engine's SamplingParams for ``req``; a bad combination becomes a 400.
+        ``prompt_logprobs`` / ``skip_special_tokens``: overrides of the request's fields
+        (echo with logprobs needs the prompt's; some tool parsers need special tokens)."""
         req, max_tokens = self.served.with_defaults(req, max_tokens)  # --generation-config
         bad_stops = [t for t in req.stop_token_ids or () if t >= self.vocab_size]
         if bad_stops:
@@ -146,7 +166,9 @@ class ServerContext:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens,
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                structured=structured,
             )
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e))) from e
@@ -167,11 +189,41 @@ class ServerContext:
             out[tid] = value
         return out
 
-    def warn_unknown_fields(self, request_id: str, req: SamplingRequest) -> None:
-        if req.model_extra:
-            names = sorted(req.model_extra)
-            shown = [n[:40] for n in names[:5]] + (["..."] if len(names) > 5 else [])
-            logger.warning("%s: ignoring %d unsupported field(s) %r", request_id, len(names), shown)
+    def warn_unknown_fields(self, request_id: str, req: SamplingRequest) -> dict[str, str]:
+        """Log the unknown top-level fields of ``req`` (ignored, as vLLM does) and return the
+        response header that names them for the client (empty when there are none)."""
+        if not req.model_extra:
+            return {}
+        names = sorted(req.model_extra)
+        shown = [n[:40] for n in names[:5]] + (["..."] if len(names) > 5 else [])
+        logger.warning("%s: ignoring %d unsupported field(s) %r", request_id, len(names), shown)
+        return {IGNORED_FIELDS_HEADER: ignored_fields_value(names)}
+
+    # ---- structured output -------------------------------------------------------------------
+    def structured_spec(self, req: SamplingRequest, extra: dict[str, Any] | None = None) -> GrammarSpec | None:
+        """The grammar the request's fields ask for (``extra``: chat's tools and tool_choice
+        as plain values); a malformed or conflicting field is a 400 naming it."""
+        fields = {name: getattr(req, name) for name in STRUCTURED_FIELDS}
+        try:
+            return spec_from_request({**fields, **(extra or {})})
+        except GrammarError as e:
+            raise bad_request(str(e), param=_grammar_param(str(e))) from None
+
+    async def check_grammar(self, spec: GrammarSpec | None) -> None:
+        """Let the grammar library check ``spec`` here, on the tokenizer thread (cached per
+        spec), so a schema it refuses is a 400 with its message before the engine sees it."""
+        if spec is None:
+            return
+
+        def check(engine: Any) -> None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, max_workers=1)
+            self._grammars.check(spec)
+
+        try:
+            await self.call_engine(check)
+        except GrammarError as e:
+            raise bad_request(str(e), param=_grammar_param(str(e))) from None
 
     # ---- engine ----------------------------------------------------------------------------------
     async def submit(
@@ -226,6 +278,29 @@ class ServerContext:
                     request_id, reasons, prompt, gen, took, text)
 
 
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+"""Response header naming the unknown top-level request fields the server ignored."""
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def ignored_fields_value(names: list[str], limit: int = 1024) -> str:
+    """The header value: the names, comma-separated, printable ASCII only, at most ``limit``
+    characters (a client could send thousands of fields, or names no header may carry)."""
+    safe = ["".join(c if 32 < ord(c) < 127 and c != "," else "?" for c in n[:64]) for n in names]
+    value = ", ".join(safe)
+    if len(value) <= limit:
+        return value
+    return value[: value.rfind(", ", 0, limit - 4)] + ", ..."  # whole names only
+
+
+def _grammar_param(message: str) -> str | None:
+    """The top-level request field a GrammarError message starts with."""
+    first = re.split(r"[\s.:\[]", message, maxsplit=1)[0]
+    return first if first in (*STRUCTURED_FIELDS, "tools", "tool_choice", "regex", "choice", "grammar") else None
+
+
 def engine_error(e: BaseException, param: str | None = None) -> BaseException:
     """Map an exception from the engine to the HTTP error the client should get."""
     if isinstance(e, OpenAIError):
@@ -239,6 +314,22 @@ def engine_error(e: BaseException, param: str | None = None) -> BaseException:
     return e
 
 
+def prompt_logprobs_json(out: RequestOutput, texts: list[str]) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` layout: per prompt token, None for the first, else token id
+    (as a string) -> logprob, rank and decoded text of the top-k plus the prompt token."""
+    if out.prompt_logprobs is None:
+        return None
+    rows: list[dict[str, PromptLogprob] | None] = []
+    for entry in out.prompt_logprobs:
+        if entry is None:
+            rows.append(None)
+            continue
+        rows.append({str(t): PromptLogprob(logprob=lp.logprob if math.isfinite(lp.logprob) else -9999.0,
+                                           rank=lp.rank, decoded_token=texts[t] if t < len(texts) else "")
+                     for t, lp in entry.items()})
+    return rows
+
+
 def _decode_vocab(engine: Any) -> list[str]:
     tok = engine.tokenizer
     return [tok.decode([i], skip_special_tokens=False) for i in range(min(len(tok), engine.vocab_size))]
@@ -250,7 +341,7 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-_REQUEST_FIELDS = frozenset(SamplingRequest.model_fields) | {"max_tokens", "logprobs"}
+_REQUEST_FIELDS = frozenset(SamplingRequest.model_fields) | {"max_tokens", "logprobs", "tools", "tool_choice"}
 
 
 def _param_of(message: str) -> str | None:

@@ -2,7 +2,8 @@
 
 One module per output format, a registry by ``--tool-call-parser`` name, a best guess from a
 chat template's text, and (``forced``) what ``tool_choice: required`` / a named function
-hands to the grammar compiler. Not yet reachable from the server: see docs/structured_output.md.
+hands to the grammar compiler. The server picks them per request in ``chat_output.py``
+(docs/structured_output.md).
 """
 
 from __future__ import annotations

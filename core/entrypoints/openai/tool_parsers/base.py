@@ -155,6 +155,9 @@ class ToolParser(ABC):
 
     name: str = ""
     """The ``--tool-call-parser`` name."""
+    keeps_special_tokens: bool = False
+    """The format's markers are special tokens (``[TOOL_CALLS]``, ``<|python_tag|>``): the
+    text it parses must be detokenized with them."""
 
     def __init__(self, id_factory: Callable[[], str] | None = None):
         self._new_id = id_factory or random_call_id

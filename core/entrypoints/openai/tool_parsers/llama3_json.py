@@ -21,6 +21,7 @@ _SEPARATORS = " \t\r\n;,"
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    keeps_special_tokens = True
 
     def __init__(self, id_factory=None):
         super().__init__(id_factory)

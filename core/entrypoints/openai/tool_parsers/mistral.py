@@ -27,6 +27,7 @@ _WRAP = '{"arguments":'  # the [ARGS] value is scanned as the value of this synt
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    keeps_special_tokens = True
 
     def __init__(self, id_factory=None):
         super().__init__(id_factory or random_mistral_id)
