@@ -22,6 +22,7 @@ from core.models import ModelContext, ModelRegistry
 from core.ops import Ops
 from core.outputs import Logprob
 from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platform
+from core.quantization.linear import linear_method_for
 from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
@@ -132,7 +133,7 @@ class ModelRunner:
             make_attention=self._make_attention,
             comm=self.setup.comm,
             weight_format=self.config.model.weight_format,
-            linear_method=self.platform.linear_method(self.config.model.weight_format),
+            linear_method=linear_method_for(self.platform, self.config.model, self.dtype),
         )
         self.model = load_model(self.config.model, ctx, self.setup.registry)
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
