@@ -67,6 +67,12 @@ class QuantizationMethod:
         Default: nothing to group."""
         return weights
 
+    @property
+    def quantizes_on_load(self) -> bool:
+        """Whether :meth:`quantize_dense` quantizes the linear weights of a dense checkpoint
+        (``--quantization`` on an unquantized model). Default: False."""
+        return False
+
     def quantize_dense(self, weight: torch.Tensor) -> QuantizedWeight | None:
         """What a kept-quantized linear layer does with a dense weight [rows, cols]: quantize
         it (on-load quantization) or return None to keep that layer dense."""

@@ -97,6 +97,10 @@ class Fp8Method(QuantizationMethod):
     def on_load(self) -> bool:
         return not self.config
 
+    @property
+    def quantizes_on_load(self) -> bool:
+        return self.on_load
+
     def describe(self) -> str:
         if self.on_load:
             return "fp8 (quantized on load: per-channel weight scales)"

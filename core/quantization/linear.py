@@ -147,12 +147,40 @@ class ReferenceQuantizedLinear(KeptQuantizedLinear):
         return F.linear(x, packed.weight.dequantize(x.dtype), bias)
 
 
+class QuantizeOnLoad(LinearMethod):
+    """On-load quantization (``--quantization fp8`` of a dense checkpoint) where the platform
+    runs the method dequantized: each dense weight goes through the method's quantization
+    while loading, so the layer holds exactly the weights the quantized model has; loading
+    and multiplying are otherwise ``inner``'s (the platform's ``--weight-format`` method)."""
+
+    def __init__(self, inner: LinearMethod, quant: QuantizationMethod):
+        self.inner, self.quant = inner, quant
+        self.name = f"{inner.name} ({quant.name} weights)"
+
+    def create_weight(self, ctx: ModelContext, rows: int, cols: int) -> nn.Parameter:
+        return self.inner.create_weight(ctx, rows, cols)
+
+    def load_rows(self, layer: nn.Module, offset: int, src: Any, what: str) -> None:
+        quantized = None if is_quantized(src) else self.quant.quantize_dense(src)
+        self.inner.load_rows(layer, offset, quantized if quantized is not None else src, what)
+
+    def prepare(self, layer: nn.Module) -> None:
+        self.inner.prepare(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.apply(layer, x, bias)
+
+
 def linear_method_for(platform: Platform, model: ModelConfig, dtype: torch.dtype) -> LinearMethod:
     """The linear method of an engine: the quantization method's on this platform when it
-    keeps weights quantized, else the platform's method for ``--weight-format``."""
+    keeps weights quantized, else the platform's method for ``--weight-format`` (wrapped in
+    :class:`QuantizeOnLoad` when the method quantizes dense checkpoints while loading)."""
     quant = model.quantization
     if quant is not None:
         method = quant.linear_method(platform, dtype)
         if method is not None:
             return method
-    return platform.linear_method(model.weight_format)
+    method = platform.linear_method(model.weight_format)
+    if quant is not None and quant.quantizes_on_load:
+        return QuantizeOnLoad(method, quant)
+    return method
