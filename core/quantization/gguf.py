@@ -55,7 +55,7 @@ def gguf_int_weight(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> IntW
     """A GGUF tensor's bytes ``[rows, row_bytes]`` (uint8) as an IntWeight [rows, cols]."""
     rows, cols = shape
     block, nbytes = _BLOCK_BYTES[qtype]
-    b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(rows, cols // block, nbytes)
+    b = torch.from_numpy(np.array(raw, copy=True)).reshape(rows, cols // block, nbytes)  # off the mmap
     if qtype == Q8_0:
         codes = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
         return IntWeight(8, codes, _f16(b, 0), None, 32)

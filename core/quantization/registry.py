@@ -102,9 +102,22 @@ def quantization_for(requested: str | None, hf_config: Any, gguf_file: str | Non
     extra = plugins.quantization_methods() if plugins is not None else None
     platforms = {n: cls for n, (_, cls) in plugins.platforms().items()} if plugins is not None else None
     method = resolve_quantization(requested, hf_config, gguf_file, platform, extra, platforms)
-    if method is not None:
+    if method is None:
+        logger.info("quantization: none; platform %s runs %s", platform.name, platform_methods(platform))
+    else:
         kept = platform.quantization_methods().get(method.name) is not None
-        logger.info("quantization: %s; platform %s %s (methods it runs: %s)", method.describe(), platform.name,
-                    "keeps the weights quantized" if kept else "dequantizes the weights while loading",
-                    ", ".join(sorted(platform.quantization_methods())))
+        logger.info("quantization: %s, %s; platform %s runs %s", method.describe(),
+                    "kept quantized" if kept else "dequantized while loading", platform.name,
+                    platform_methods(platform))
     return method
+
+
+def platform_methods(platform: Any) -> str:
+    """What ``core platforms`` and the start-up log say about a platform's quantization
+    methods, e.g. ``awq, fp8 (kept quantized); gguf (dequantized)``."""
+    methods = platform.quantization_methods()
+    kept = sorted(n for n, f in methods.items() if f is not None)
+    dense = sorted(n for n, f in methods.items() if f is None)
+    parts = [f"{', '.join(kept)} (kept quantized)"] if kept else []
+    parts += [f"{', '.join(dense)} (dequantized)"] if dense else []
+    return "; ".join(parts) or "no quantization methods"
