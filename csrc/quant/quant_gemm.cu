@@ -192,7 +192,8 @@ template <typename T, QuantCode C>
 cudaError_t launch_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
   const int64_t items = int64_t(a.n) * (a.k / Codes<C>::kPer);
   const int64_t blocks = (items + kDequantThreads - 1) / kDequantThreads;
-  quant_dequant_kernel<T, C><<<static_cast<int>(blocks < 65536 ? blocks : 65536), kDequantThreads, 0, stream>>>(a);
+  const int grid = static_cast<int>(blocks < 65536 ? blocks : 65536);  // grid-stride loop beyond
+  quant_dequant_kernel<T, C><<<grid, kDequantThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

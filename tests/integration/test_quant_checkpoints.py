@@ -254,3 +254,25 @@ def test_agreement_with_the_fp32_model_is_measured(checkpoints, capsys, tmp_path
         print("\ntop-1 agreement with fp32:", {k: round(v, 3) for k, v in rates.items()})
     for fmt in ALL_FORMATS:
         assert rates[fmt] >= (0.15 if fmt.startswith(("awq", "gptq")) else 0.5), (fmt, rates[fmt])
+
+
+@pytest.mark.parametrize("method", [{"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+                                    None])
+def test_dummy_weights_come_in_the_kept_format(tmp_path, method):
+    """--load-format dummy (the GPU benchmarks) with an AWQ config, or --quantization fp8 on a
+    dense one: every linear layer holds random weights in the method's own form."""
+    from core.benchmarks.shapes import write_model_dir
+
+    path = write_model_dir("llama3-tiny", tmp_path / "m")
+    if method is not None:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": method}))
+    config = dataclasses.replace(model_config_for(path, load_format="dummy"), max_model_len=512)
+    quant = resolve_quantization(None if method else "fp8", config.hf_config, None, _cpu())
+    config = dataclasses.replace(config, quantization=quant)
+    ctx = dataclasses.replace(cpu_context(), linear_method=ReferenceQuantizedLinear(quant, torch.float32))
+    model = load_model(config, ctx, ModelRegistry())
+    form = model.model.layers[1].mlp.gate_up_proj.packed_weight.weight
+    assert form.shape == (1024, 256) and type(form).__name__ == ("IntWeight" if method else "Fp8Weight")
+    logits = run_schedule(model, config.hf_config.vocab_size, decode_steps=1)["a"][1]
+    assert torch.isfinite(logits).all() and logits.std() > 0
