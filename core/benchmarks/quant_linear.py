@@ -100,25 +100,30 @@ def _clone(w):
     return dataclasses.replace(w, codes=w.codes.clone())
 
 
+def _bench(name: str, k: int, n: int, variant, rows: list[int], gen: torch.Generator) -> list[dict]:
+    label, nbytes, max_rows, weight, fn, reference = variant
+    weights = [weight] + [_clone(weight) for _ in range(_copies(nbytes) - 1)]
+    out = []
+    for m in rows:
+        if max_rows is not None and m > max_rows:
+            continue
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        got, want = fn(weight, x).double(), reference(x)
+        err = float((got - want).norm() / want.norm())
+        us = time_us(lambda i, x=x: fn(weights[i], x), len(weights))
+        out.append({"shape": name, "in": k, "out": n, "rows": m, "variant": label, "us": round(us, 2),
+                    "weight_tb_s": round(nbytes / us / 1e6, 3), "rel_error": round(err, 5)})
+        print(f"{name:8s} M={m:<5d} {label:18s} {us:9.1f} us  {nbytes / us / 1e6:6.2f} TB/s  "
+              f"rel err {err:.2e}", flush=True)
+    return out
+
+
 def measure(rows: list[int]) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, k, n in SHAPES:
-        for variant, nbytes, max_rows, weight, fn, reference in variants(n, k, gen):
-            weights = [weight] + [_clone(weight) for _ in range(_copies(nbytes) - 1)]
-            for m in rows:
-                if max_rows is not None and m > max_rows:
-                    continue
-                x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-                got, want = fn(weight, x).double(), reference(x)
-                err = float((got - want).norm() / want.norm())
-                us = time_us(lambda i: fn(weights[i], x), len(weights))
-                results.append({"shape": name, "in": k, "out": n, "rows": m, "variant": variant,
-                                "us": round(us, 2), "weight_tb_s": round(nbytes / us / 1e6, 3),
-                                "rel_error": round(err, 5)})
-                print(f"{name:8s} M={m:<5d} {variant:18s} {us:9.1f} us  {nbytes / us / 1e6:6.2f} TB/s  "
-                      f"rel err {err:.2e}", flush=True)
-            del weights
+        for variant in variants(n, k, gen):
+            results += _bench(name, k, n, variant, rows, gen)
             torch.cuda.empty_cache()
     return results
 

@@ -79,7 +79,8 @@ class KeptQuantizedLinear(LinearMethod, metaclass=ABCMeta):
             )
         if not is_quantized(src):
             quantized = self.quant.quantize_dense(src)
-            src = quantized if quantized is not None else src.to(self.dtype)
+            # a copy: the checkpoint tensor may be a view of a file that closes after loading
+            src = quantized if quantized is not None else src.to(self.dtype, copy=True)
         layer.__dict__.setdefault("_quant_parts", {})[offset] = src
 
     def set_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:

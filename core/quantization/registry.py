@@ -83,6 +83,8 @@ def resolve_quantization(
     name = requested or found
     if name is None:
         return None
+    if classes[name] is GgufMethod and not gguf_file:
+        raise ValueError("--quantization gguf needs a .gguf file as --model; leave --quantization out")
     method = classes[name].from_config(qconfig if found is not None else None)
     if not method.supported_on(platform):
         others = sorted(n for n, cls in (platforms or {}).items() if method.supported_on(cls))

@@ -126,6 +126,8 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
         rows = x2.shape[0]
         if rows <= GEMV_MAX_ROWS:
             x2 = x2.contiguous()
+            if x2.data_ptr() % 16:  # the kernel reads 16-byte vectors
+                x2 = x2.clone()
             y = torch.empty(rows, packed.codes.shape[0], dtype=x.dtype, device=x.device)
             load_ops().quant_gemv(y, x2, packed.codes, packed.scales, packed.mins, packed.code, packed.group)
             if bias is not None:

@@ -276,3 +276,17 @@ def test_dummy_weights_come_in_the_kept_format(tmp_path, method):
     assert form.shape == (1024, 256) and type(form).__name__ == ("IntWeight" if method else "Fp8Weight")
     logits = run_schedule(model, config.hf_config.vocab_size, decode_steps=1)["a"][1]
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_engine_refuses_an_unsupported_quant_method_at_start(checkpoints, tmp_path):
+    src = checkpoints["original"][0]
+    dst = tmp_path / "bnb"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        LLM(model=str(dst), platform="cpu", dtype="float32")
+    assert "'bitsandbytes'" in str(e.value) and "['awq', 'compressed-tensors', 'fp8', 'gguf', 'gptq']" in str(e.value)

@@ -175,6 +175,8 @@ def test_flag_contradicting_the_checkpoint_or_needing_one_is_refused():
         resolve_quantization("fp8", _Config(AWQ), None, _Everything)
     with pytest.raises(ValueError, match="needs a checkpoint quantized as awq"):
         resolve_quantization("awq", _Config(), None, _Everything)
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        resolve_quantization("gguf", _Config(), None, _Everything)
     with pytest.raises(ValueError, match="unknown"):
         resolve_quantization("int3", _Config(), None, _Everything)
     with pytest.raises(ValueError, match="8-bit"):
