@@ -284,12 +284,13 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     Linear layers whose method keeps quantized weights get random weights in its format."""
     generators: dict[torch.device, torch.Generator] = {}
     seen: set[int] = set()
-    host = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             method = getattr(module, "linear_method", None)
-            if getattr(method, "keeps_quantized", False):
-                method.set_dummy(module, host, std)
+            if getattr(method, "keeps_quantized", False):  # drawn on the device: 8B weights are many
+                if method.device not in generators:
+                    generators[method.device] = torch.Generator(device=method.device).manual_seed(seed)
+                method.set_dummy(module, generators[method.device], std)
                 seen.add(id(module.weight))
             is_norm = isinstance(module, (RMSNorm, nn.LayerNorm))
             for name, p in module.named_parameters(recurse=False):

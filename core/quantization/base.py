@@ -79,8 +79,8 @@ class QuantizationMethod:
         return None
 
     def dummy_weight(self, rows: int, cols: int, generator: torch.Generator, std: float) -> QuantizedWeight | None:
-        """Random weights in this format for ``--load-format dummy`` (benchmarks); None
-        keeps such a layer dense."""
+        """Random weights in this format for ``--load-format dummy`` (benchmarks), made on
+        ``generator.device``; None keeps such a layer dense."""
         return None
 
     def supported_on(self, platform: type[Platform] | Platform) -> bool:

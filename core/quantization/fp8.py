@@ -72,7 +72,7 @@ def _drop(weights: Weights, suffixes: tuple[str, ...]) -> Weights:
 
 def dummy_fp8(rows: int, cols: int, generator: torch.Generator, std: float) -> Fp8Weight:
     """A random N(0, std) weight quantized per channel (``--load-format dummy``)."""
-    w = torch.empty(rows, cols).normal_(0.0, std, generator=generator)
+    w = torch.empty(rows, cols, device=generator.device).normal_(0.0, std, generator=generator)
     return quantize_fp8_rows(w)
 
 

@@ -177,7 +177,8 @@ def _act_order(module: str, g_idx: torch.Tensor | None, k: int, group: int) -> t
 
 def dummy_int4(rows: int, cols: int, group: int, generator: torch.Generator, std: float) -> IntWeight:
     """Random codes and zero points with scales giving weights of about N(0, std) spread."""
-    codes = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
-    zeros = torch.randint(7, 9, (rows, cols // group), generator=generator).float()
-    scales = torch.full((rows, cols // group), std / 4.6)  # uniform 0..15 around 8: std ~4.6
+    dev = generator.device  # drawn where the generator lives (the GPU for an 8B benchmark)
+    codes = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8, device=dev)
+    zeros = torch.randint(7, 9, (rows, cols // group), generator=generator, device=dev).float()
+    scales = torch.full((rows, cols // group), std / 4.6, device=dev)  # uniform 0..15 around 8: std ~4.6
     return IntWeight(4, codes, scales, -zeros * scales, group)

@@ -88,7 +88,7 @@ class KeptQuantizedLinear(LinearMethod, metaclass=ABCMeta):
         rows, cols = layer.weight.shape
         w = self.quant.dummy_weight(rows, cols, generator, std)
         if w is None:
-            w = torch.empty(rows, cols).normal_(0.0, std, generator=generator).to(self.dtype)
+            w = torch.empty(rows, cols, device=generator.device).normal_(0.0, std, generator=generator).to(self.dtype)
         layer.__dict__["_quant_parts"] = {0: w}
 
     def prepare(self, layer: nn.Module) -> None:

@@ -221,3 +221,26 @@ def test_a_plugin_adds_a_method():
     assert isinstance(method, Int3Method)
     with pytest.raises(ValueError, match="not supported by platform 'host-only'"):
         quantization_for(None, _Config({"quant_method": "int3"}), None, _HostOnly, plugins)
+
+
+# ---- the CUDA kernels' decoding, emulated on the host ------------------------------------------
+
+
+def test_cuda_int4_packing_is_what_the_kernel_decodes():
+    """csrc/quant reads 32-bit words: nibble i of word w is input 8w + i (quant_gemm.h)."""
+    from platforms.cuda.quant import pack_int4_rows
+
+    codes = torch.randint(0, 16, (4, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    words = pack_int4_rows(codes).view(torch.int32)  # [4, 8] little-endian words
+    decoded = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).flatten(1)
+    assert torch.equal(decoded.to(torch.uint8), codes)
+
+
+def test_cuda_fp8_decoding_trick_is_exact_for_every_finite_code():
+    """The kernel's e4m3 decode: magnitude bits << 20 read as a float32, times 2^120."""
+    codes = torch.arange(256, dtype=torch.int32)
+    finite = (codes & 0x7F) != 0x7F  # 0x7f / 0xff are NaN in e4m3fn
+    magnitude = ((codes & 0x7F) << 20).view(torch.float32) * 2.0**120
+    decoded = torch.where(codes >= 0x80, -magnitude, magnitude)
+    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(decoded[finite], want[finite])
