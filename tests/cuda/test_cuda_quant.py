@@ -170,7 +170,7 @@ def test_tiny_checkpoints_on_cuda_agree_with_cpu(tmp_path, fmt):
     from tests.integration.test_engine_hf import random_prompts
 
     src = tiny_llama_dir(tmp_path, name="src", seed=7, hidden_size=256, intermediate_size=512,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+                         num_attention_heads=4, num_key_value_heads=2)
     path = write_quantized(src, tmp_path / fmt, fmt)
     prompts = random_prompts(6, 512, seed=3)
     rate = _agreement(_greedy(path, "cuda", prompts), _greedy(path, "cpu", prompts))
