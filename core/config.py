@@ -38,6 +38,10 @@ class ModelConfig:
     weight_format: str = "dense"
     """How linear weights are kept in memory: dense (in ``dtype``) or a platform
     supported quantized form (see the platform's ``supported_weight_formats``)."""
+    quantization: Any = None
+    """The checkpoint's :class:`core.quantization.QuantizationMethod` (from
+    ``--quantization``, config.json ``quantization_config`` or a GGUF file), None when the
+    weights are not quantized."""
 
 
 @dataclass(frozen=True)

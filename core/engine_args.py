@@ -114,6 +114,9 @@ class EngineArgs:
     load_format: str = "auto"
     weight_format: str = "auto"
     """In-memory weight format; auto lets the platform choose (with --dtype auto)."""
+    quantization: str | None = None
+    """Quantization method (vLLM's names: fp8, awq, gptq, compressed-tensors, gguf); None =
+    the checkpoint's own; fp8 on an unquantized checkpoint quantizes it while loading."""
     seed: int = 0
     attention_backend: str | None = None
     enforce_eager: bool = False
@@ -169,6 +172,9 @@ class EngineArgs:
                        help="checkpoint format; dummy = random weights of the model's shape (benchmarks)")
         g.add_argument("--weight-format", default="auto",
                        help="in-memory weight format: auto (platform's choice), dense, or a platform format (cpu: int8, int4)")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="quantization method: fp8, awq, gptq, compressed-tensors, gguf (default: the "
+                            "checkpoint's quantization_config); fp8 on a bf16 checkpoint quantizes it on load")
         g.add_argument("--seed", type=int, default=0,
                        help="seed of the engine's random state at start (dummy weights; sampling of "
                             "requests without --sample-seed)")

@@ -116,6 +116,15 @@ class GGUFIndex:
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return dequantize(raw.reshape(*t.shape[:-1], row_bytes), t.qtype)
 
+    def raw(self, t: GGUFTensor) -> np.ndarray:
+        """The tensor's stored bytes, uint8 ``[*shape[:-1], bytes per row]`` (a view of the
+        memory-mapped file), for readers that keep the blocks quantized."""
+        from gguf.constants import GGML_QUANT_SIZES
+
+        block, type_size = GGML_QUANT_SIZES[t.qtype]
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return raw.reshape(*t.shape[:-1], t.shape[-1] // block * type_size)
+
     def iter_tensors(self) -> Iterator[tuple[GGUFTensor, np.ndarray]]:
         for t in self.tensors:
             yield t, self.dequantize(t)

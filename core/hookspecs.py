@@ -9,7 +9,8 @@ arguments; a hookimpl whose name is not listed here is refused at load.
 Hooks are grouped by when they are called:
 
 * discovery (once, when the plugin manager loads): ``core_platforms``,
-  ``core_model_architectures``, ``core_model_configs``, ``core_attention_backends``;
+  ``core_model_architectures``, ``core_model_configs``, ``core_attention_backends``,
+  ``core_quantization_methods``;
 * engine construction (once per engine, after a platform is chosen): ``core_op_overrides``.
 
 How core calls them (one deviation from a plain pluggy hook call): every hook is a
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from core.attention import AttentionBackend
     from core.config import EngineConfig
     from core.platform import Platform
+    from core.quantization import QuantizationMethod
 
 hookspec = pluggy.HookspecMarker("core")
 
@@ -77,6 +79,18 @@ def core_attention_backends() -> list[tuple[str, str, type[AttentionBackend]]]:
 
     :return: ``(platform_name, backend_name, backend_class)`` triples. Users select one
         with ``--attention-backend backend_name``; the platform's default is unchanged.
+    """
+
+
+@hookspec
+def core_quantization_methods() -> list[type[QuantizationMethod]]:
+    """Quantization methods (checkpoint formats of quantized weights) this plugin adds.
+
+    :return: :class:`core.quantization.QuantizationMethod` subclasses. Each ``name`` is a new
+        ``--quantization`` value and ``quant_method`` of config.json; a built-in name is
+        ignored (with a warning), one two plugins claim is refused. The method's
+        ``linear_method(platform, dtype)`` says how its weights run on a platform (default:
+        what :meth:`core.platform.Platform.quantization_methods` maps its name to).
     """
 
 

@@ -5,11 +5,14 @@ Weight sources, chosen by ``ModelConfig.load_format``:
 * ``safetensors`` (and ``auto`` for directories): one file or shards listed in
   ``model.safetensors.index.json``, read tensor by tensor from memory-mapped files, so only
   the slices a rank copies to its device are ever touched;
-* ``gguf``: dequantized with the ``gguf`` package, names mapped to HF names;
+* ``gguf``: dequantized with the ``gguf`` package, names mapped to HF names (linear layers'
+  Q4_0/Q4_1/Q4_K/Q8_0 tensors kept quantized where the platform's linear method keeps them);
 * ``pt``: ``pytorch_model*.bin`` / ``*.pt`` pickles, only when asked for explicitly;
 * ``dummy``: no file; parameters are filled in place with seeded random values.
 
-Every source yields ``(hf_name, tensor)``; the model's ``load_weights`` shards them.
+Every source yields ``(hf_name, tensor)``; the model's ``load_weights`` shards them. With a
+quantization method (``ModelConfig.quantization``) the method groups each quantized linear
+layer's tensors into one quantized weight first (see :mod:`core.quantization`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 from core.config import ModelConfig
 from core.gguf_file import load_gguf_config, open_index
 from core.models import ModelContext, ModelRegistry
-from core.models.layers import RMSNorm
+from core.models.layers import RMSNorm, prepare_weights
 from core.progress import track
 
 logger = logging.getLogger(__name__)
@@ -106,19 +109,29 @@ def _architecture(hf_config: Any, where: str) -> str:
 # ---- weights ---------------------------------------------------------------------------------
 
 
-def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every checkpoint tensor (CPU tensors, any dtype).
+def iter_weights(model_config: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield ``(hf_name, tensor)`` for every checkpoint tensor (CPU tensors, any dtype; a
+    quantized linear layer as one quantized weight under ``<module>.weight``).
 
     Safetensors tensors are views of memory-mapped files: slicing one touches only the
     slice. ``load_format`` ``auto`` picks GGUF for a GGUF model, else safetensors.
+
+    :param keep_quantized: the model's linear method keeps quantized weights: a GGUF's
+        linear tensors in a kept type then arrive quantized instead of dequantized.
     """
+    weights = _raw_weights(model_config, keep_quantized)
+    quant = model_config.quantization
+    return quant.checkpoint_weights(weights) if quant is not None else weights
+
+
+def _raw_weights(model_config: ModelConfig, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     fmt = model_config.load_format
     if fmt == "dummy":
         raise ValueError("load_format 'dummy' has no checkpoint to read; use load_model()")
     if model_config.gguf_file or fmt == "gguf":
         if not model_config.gguf_file:
             raise ValueError(f"load_format 'gguf' needs a .gguf file as --model, got {model_config.model!r}")
-        return _gguf_weights(model_config.gguf_file, model_config.hf_config)
+        return _gguf_weights(model_config.gguf_file, model_config.hf_config, keep_quantized)
     if fmt in ("auto", "safetensors"):
         return _safetensors_weights(model_config.model)
     if fmt == "pt":
@@ -222,8 +235,13 @@ def undo_rope_permutation(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+_GGUF_LINEAR = tuple(f".{v}.weight" for k, v in _GGUF_BLOCK.items() if "norm" not in k)
+
+
+def _gguf_weights(path: str, hf_config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     import numpy as np
+
+    from core.quantization.gguf import KEPT_TYPES, gguf_int_weight
 
     index = open_index(path)
     arch = index.metadata.get("general.architecture")
@@ -233,16 +251,28 @@ def _gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
         )
     heads = {"q_proj": hf_config.num_attention_heads}
     heads["k_proj"] = getattr(hf_config, "num_key_value_heads", None) or heads["q_proj"]
-    for t, array in index.iter_tensors():
+    for t in index.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
             logger.warning("ignoring GGUF tensor %s (no counterpart in the HF model)", t.name)
             continue
-        tensor = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
+        if keep_quantized and t.qtype in KEPT_TYPES and name.endswith(_GGUF_LINEAR) and len(t.shape) == 2:
+            tensor = gguf_int_weight(index.raw(t), t.qtype, t.shape)
+        else:
+            array = index.dequantize(t)
+            tensor = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
         proj = name.rsplit(".", 2)[-2]
         if arch in _GGUF_PERMUTED_ARCHS and proj in heads:
-            tensor = undo_rope_permutation(tensor, heads[proj])
+            tensor = _unpermute(tensor, heads[proj])
         yield name, tensor
+
+
+def _unpermute(tensor: Any, num_heads: int) -> Any:
+    """:func:`undo_rope_permutation` of a dense or quantized weight (its rows reordered)."""
+    if isinstance(tensor, torch.Tensor):
+        return undo_rope_permutation(tensor, num_heads)
+    order = undo_rope_permutation(torch.arange(tensor.shape[0]), num_heads)
+    return tensor.index_rows(order)
 
 
 # ---- building the model ------------------------------------------------------------------------
@@ -250,11 +280,18 @@ def _gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Fill every parameter in place: norm scales 1 and norm biases 0, everything else
-    N(0, std) from a generator seeded with ``seed`` (deterministic for one TP layout)."""
+    N(0, std) from a generator seeded with ``seed`` (deterministic for one TP layout).
+    Linear layers whose method keeps quantized weights get random weights in its format."""
     generators: dict[torch.device, torch.Generator] = {}
     seen: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
+            method = getattr(module, "linear_method", None)
+            if getattr(method, "keeps_quantized", False):  # drawn on the device: 8B weights are many
+                if method.device not in generators:
+                    generators[method.device] = torch.Generator(device=method.device).manual_seed(seed)
+                method.set_dummy(module, generators[method.device], std)
+                seen.add(id(module.weight))
             is_norm = isinstance(module, (RMSNorm, nn.LayerNorm))
             for name, p in module.named_parameters(recurse=False):
                 if id(p) in seen:  # tied parameters appear under two modules
@@ -278,9 +315,12 @@ def load_model(model_config: ModelConfig, ctx: ModelContext, registry: ModelRegi
     model = cls(model_config.hf_config, ctx)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
+        with torch.no_grad():
+            prepare_weights(model)  # now, not at the first step (which may be a graph capture)
     else:
         # every rank reads the checkpoint; one bar is enough
-        weights = track(iter_weights(model_config), count_tensors(model_config), "loading weights",
+        keep = getattr(ctx.linear_method, "keeps_quantized", False)
+        weights = track(iter_weights(model_config, keep), count_tensors(model_config), "loading weights",
                         unit="tensor", enabled=ctx.comm.rank == 0)
         model.load_weights(weights)
     return model.eval()
@@ -291,7 +331,8 @@ def count_tensors(model_config: ModelConfig) -> int | None:
     the files' indexes without loading a tensor; None when only unpickling would tell."""
     if model_config.gguf_file:
         return sum(gguf_to_hf_name(t.name) is not None for t in open_index(model_config.gguf_file).tensors)
-    if model_config.load_format not in ("auto", "safetensors"):
+    if model_config.load_format not in ("auto", "safetensors") or model_config.quantization is not None:
+        # a quantized layer's several tensors arrive as one
         return None
     from safetensors import safe_open
 

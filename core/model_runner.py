@@ -23,6 +23,7 @@ from core.ops import Ops
 from core.outputs import Logprob
 from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platform
 from core.pooling import PoolingState
+from core.quantization.linear import linear_method_for
 from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
@@ -131,7 +132,7 @@ class ModelRunner:
             make_attention=self._make_attention,
             comm=self.setup.comm,
             weight_format=self.config.model.weight_format,
-            linear_method=self.platform.linear_method(self.config.model.weight_format),
+            linear_method=linear_method_for(self.platform, self.config.model, self.dtype),
             graph_capture=self._may_use_graphs(),
         )
         self.model = load_model(self.config.model, ctx, self.setup.registry)

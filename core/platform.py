@@ -271,6 +271,15 @@ class Platform(ABC):
             )
         return DENSE
 
+    @classmethod
+    def quantization_methods(cls) -> dict[str, Any]:
+        """Quantization methods (:mod:`core.quantization`) this platform runs: method name ->
+        a factory ``(method, compute dtype) -> LinearMethod`` keeping the weights quantized for
+        its kernels, or None to load them dequantized into the dense weights. A method not
+        named here is refused at start. Default: ``{"gguf": None}`` (GGUF files dequantized
+        while loading, as every platform can)."""
+        return {"gguf": None}
+
     # ---- memory planning ------------------------------------------------------------
     def kv_cache_budget(
         self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int

@@ -232,6 +232,20 @@ class Plugins:
                 found[bname] = cls
         return found
 
+    def quantization_methods(self) -> dict[str, type]:
+        """Method name -> QuantizationMethod class, for the methods plugins add. Two plugins
+        naming one method is an error."""
+        found: dict[str, tuple[str, type]] = {}
+        for plugin, classes in self._collect("core_quantization_methods"):
+            for cls in classes:
+                if cls.name in found:
+                    raise PluginError(
+                        f"quantization method {cls.name!r} is registered by plugins "
+                        f"{found[cls.name][0]!r} and {plugin!r}; only one may provide it"
+                    )
+                found[cls.name] = (plugin, cls)
+        return {name: cls for name, (_, cls) in found.items()}
+
     def op_overrides(self, platform_name: str, config: Any = None) -> dict[str, Any]:
         """Op name -> callable overriding that op on ``platform_name`` for an engine of
         ``config`` (an EngineConfig)."""

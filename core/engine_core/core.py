@@ -251,7 +251,7 @@ def load_platform_and_config(args: EngineArgs, plugins: Plugins | None = None) -
     if env.num_threads and platform.shares_host_memory():
         torch.set_num_threads(env.num_threads)
     plugins.register_model_configs()  # before the checkpoint's config.json is read
-    config = resolve_config(args, platform, env.cache_dir)
+    config = resolve_config(args, platform, env.cache_dir, plugins)
     logger.info("platform %s (%s); model %s (%s, %s)", platform.name, info.probe.reason,
                 config.model.model, config.model.architecture, config.model.dtype)
     return config, platform, plugins

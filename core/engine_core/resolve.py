@@ -10,6 +10,7 @@ from core.engine_args import EngineArgs, parse_size
 from core.model_loader import default_model_path, load_config
 from core.parallel_check import validate_parallel
 from core.platform import Platform
+from core.quantization.registry import quantization_for
 
 
 def _quantization(gguf_file: str | None) -> str | None:
@@ -32,10 +33,13 @@ def _checkpoint_dtype(hf_config) -> torch.dtype:
     return d if isinstance(d, torch.dtype) else torch.float32
 
 
-def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None = None) -> EngineConfig:
-    """Turn user arguments into a validated, frozen EngineConfig for ``platform``."""
+def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None = None,
+                   plugins=None) -> EngineConfig:
+    """Turn user arguments into a validated, frozen EngineConfig for ``platform``
+    (``plugins``: where quantization methods and other platforms come from)."""
     model_path = args.model or default_model_path()
     arch, hf_config, gguf_file, tok_path = load_config(model_path, cache_dir)
+    quantization = quantization_for(args.quantization, hf_config, gguf_file, platform, plugins)
     auto_dtype, auto_format = platform.default_formats(
         _checkpoint_dtype(hf_config), _quantization(gguf_file)
     )
@@ -66,6 +70,7 @@ def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None =
         gguf_file=gguf_file,
         cache_dir=cache_dir,
         weight_format=weight_format,
+        quantization=quantization,
     )
     block_size = args.block_size or platform.preferred_block_size()
     cache = CacheConfig(

@@ -135,13 +135,16 @@ def _chat_loop(llm, ns) -> int:
 
 def cmd_platforms(ns) -> int:
     from core.plugins import PluginError, load_plugins
+    from core.quantization.registry import platform_methods
 
     env = envs.read()
     plugins = load_plugins(env.no_plugin_autoload, env.plugins)
     rows = []
     for i in plugins.discover():
         caps = ", ".join(sorted(i.capabilities)) or "-"
-        rows.append([i.name, i.plugin, str(i.probe.score), i.cls.verification, f"{i.probe.reason} [caps: {caps}]"])
+        quant = platform_methods(i.cls)
+        rows.append([i.name, i.plugin, str(i.probe.score), i.cls.verification,
+                     f"{i.probe.reason} [caps: {caps}] [quantization: {quant}]"])
     for name, err in plugins.load_errors.items():
         rows.append([name, "(failed)", "-", "-", f"failed to load: {err}"])
     headers = ["platform", "plugin", "score", "verification", "probe"]

@@ -20,6 +20,12 @@ Weight formats: the column/row-parallel layers multiply through ``ctx.linear_met
 :class:`LinearMethod` strategy chosen by the platform for ``--weight-format``. The dense
 ``weight`` parameter stays the source of truth (loading and sharding above only see it); a
 method may derive a compact form from it, kept on the layer as ``packed_weight``.
+
+Quantized checkpoints (:mod:`core.quantization`): a linear layer's checkpoint weight may
+arrive as a quantized weight (``Fp8Weight`` / ``IntWeight``), which shards like a dense
+tensor. The layer hands each slice to its method's :meth:`LinearMethod.load_rows`: the dense
+methods dequantize it into ``weight``; a method that keeps weights quantized (a platform's
+kernels) collects the slices and joins them in ``prepare``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.models.rope import cos_sin_table
+from core.quantization.tensors import is_quantized
 
 if TYPE_CHECKING:
     from core.models import ModelContext
@@ -86,6 +93,8 @@ def load_parameter(model: nn.Module, name: str, tensor: torch.Tensor, shard: Any
         module = model.get_submodule(module_name)
     except AttributeError:
         raise KeyError(f"the model has no module {module_name!r} (for weight {name!r})") from None
+    if is_quantized(tensor) and not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        tensor = tensor.dequantize(torch.float32)  # e.g. MoE experts: loaded dense
     loader = getattr(module, "load_weight", None)
     if loader is not None:
         loader(param_name, tensor, shard)
@@ -158,6 +167,17 @@ class LinearMethod:
 
     name = "dense"
 
+    def create_weight(self, ctx: ModelContext, rows: int, cols: int) -> nn.Parameter:
+        """The layer's ``weight`` [rows, cols]. Dense formats: allocated in ``ctx.dtype``."""
+        return _param(ctx, rows, cols)
+
+    def load_rows(self, layer: nn.Module, offset: int, src: Any, what: str) -> None:
+        """Put checkpoint rows ``src`` (this rank's slice: a tensor, or a quantized weight,
+        which is dequantized here) at rows ``[offset, offset + len)`` of ``layer.weight``."""
+        if is_quantized(src):
+            src = src.dequantize(torch.float32)
+        _copy_into(layer.weight.data.narrow(0, offset, src.shape[0]), src, what)
+
     def prepare(self, layer: nn.Module) -> None:
         """Derive ``layer.packed_weight`` from ``layer.weight``. Dense: nothing to derive."""
 
@@ -168,6 +188,15 @@ class LinearMethod:
 
 DENSE = LinearMethod()
 """The dense format (stateless, shared)."""
+
+
+def _load_rows(layer: nn.Module, name: str, offset: int, src: Any, what: str) -> None:
+    """Rows of a linear layer's ``weight`` go through its method; its bias is plain."""
+    if name == "weight":
+        layer.linear_method.load_rows(layer, offset, src, what)
+    else:
+        _copy_into(getattr(layer, name).data.narrow(0, offset, src.shape[0]), src, what)
+    layer.packed_weight = None
 
 
 def prepare_weights(model: nn.Module) -> None:
@@ -199,9 +228,9 @@ class ColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size_per_rank = _divide(output_size, ctx.comm.world_size, "output size")
         self.gather_output = gather_output
-        self.weight = _param(ctx, self.output_size_per_rank, input_size)
-        self.bias = _param(ctx, self.output_size_per_rank) if bias else None
         self.linear_method: LinearMethod = ctx.linear_method
+        self.weight = self.linear_method.create_weight(ctx, self.output_size_per_rank, input_size)
+        self.bias = _param(ctx, self.output_size_per_rank) if bias else None
         self.packed_weight: Any = None
 
     def extra_repr(self) -> str:
@@ -218,8 +247,7 @@ class ColumnParallelLinear(nn.Module):
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         size, rank = self.output_size_per_rank, self.comm.rank
-        _copy_into(getattr(self, name).data, _shard(tensor, 0, rank, size, name), name)
-        self.packed_weight = None
+        _load_rows(self, name, 0, _shard(tensor, 0, rank, size, name), name)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -245,9 +273,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
         size = self.sizes_per_rank[shard]
         offset = sum(self.sizes_per_rank[:shard])
-        dst = getattr(self, name).data.narrow(0, offset, size)
-        _copy_into(dst, _shard(tensor, 0, self.comm.rank, size, name), f"{name}[{shard}]")
-        self.packed_weight = None
+        _load_rows(self, name, offset, _shard(tensor, 0, self.comm.rank, size, name), f"{name}[{shard}]")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -297,9 +323,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 f"{self.comm.rank} needs rows [{start}, {start + size}); check num_key_value_heads "
                 f"and head_dim in config.json"
             )
-        dst = getattr(self, name).data.narrow(0, offset, size)
-        _copy_into(dst, tensor.narrow(0, start, size), f"{shard}_proj.{name}")
-        self.packed_weight = None
+        _load_rows(self, name, offset, tensor.narrow(0, start, size), f"{shard}_proj.{name}")
 
 
 class RowParallelLinear(nn.Module):
@@ -314,9 +338,9 @@ class RowParallelLinear(nn.Module):
         self.comm = ctx.comm
         self.input_size_per_rank = _divide(input_size, ctx.comm.world_size, "input size")
         self.output_size = output_size
-        self.weight = _param(ctx, output_size, self.input_size_per_rank)
-        self.bias = _param(ctx, output_size) if bias else None
         self.linear_method: LinearMethod = ctx.linear_method
+        self.weight = self.linear_method.create_weight(ctx, output_size, self.input_size_per_rank)
+        self.bias = _param(ctx, output_size) if bias else None
         self.packed_weight: Any = None
 
     def extra_repr(self) -> str:
@@ -336,8 +360,7 @@ class RowParallelLinear(nn.Module):
             _copy_into(self.bias.data, tensor, name)
             return
         src = _shard(tensor, 1, self.comm.rank, self.input_size_per_rank, name)
-        _copy_into(self.weight.data, src, name)
-        self.packed_weight = None
+        _load_rows(self, name, 0, src, name)
 
 
 # ---- vocabulary ----------------------------------------------------------------------------

@@ -92,6 +92,12 @@ class CpuPlatform(Platform):
         self._head.quantized = weight_format != "dense"
         return method
 
+    @classmethod
+    def quantization_methods(cls) -> dict[str, Any]:
+        # Every built-in quantized checkpoint loads dequantized into the dense weights (exact:
+        # see core/quantization/tensors.py); --weight-format int4/int8 can re-pack them.
+        return dict.fromkeys(("fp8", "compressed-tensors", "awq", "gptq", "gguf"))
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 

@@ -116,6 +116,14 @@ class CudaPlatform(Platform):
 
         return cuda_ops()
 
+    @classmethod
+    def quantization_methods(cls) -> dict[str, Any]:
+        """Every built-in method kept quantized: FP8 through torch._scaled_mm, 4/8-bit codes
+        through csrc/quant (see platforms/cuda/quant.py)."""
+        from platforms.cuda.quant import QUANTIZED_LINEAR
+
+        return dict(QUANTIZED_LINEAR)
+
     def distributed_backend(self) -> str:
         return "nccl"
 

@@ -145,6 +145,12 @@ class RocmPlatform(CudaPlatform):
         hipified twins have never run, so ROCm keeps core's torch ops."""
         return {}
 
+    @classmethod
+    def quantization_methods(cls) -> dict[str, Any]:
+        # The CUDA platform's quantized kernels are not built or checked for HIP (its fp8
+        # is e4m3fnuz on MI300): quantized checkpoints load dequantized here.
+        return dict.fromkeys(CudaPlatform.quantization_methods())
+
     def distributed_backend(self) -> str:
         return "nccl"  # RCCL, under torch's nccl name on ROCm builds
 

@@ -1,0 +1,250 @@
+// Weight-only quantized linear kernels (see quant_gemm.h for the layouts).
+//
+// quant_gemv: a decode step multiplies a few activation rows by every weight once, so it is
+// bound by reading the weights. One warp owns one output row: its lanes stream the row's
+// codes as consecutive 16-byte vectors (coalesced), decode each vector to floats in
+// registers, dequantizes it (one FMA per weight) and multiplies it into every activation row
+// (small, L1/L2 resident): the weights are read once whatever the number of rows.
+//
+// quant_dequant: W in the activation dtype, for prefill steps, which then run one dense GEMM
+// (compute-bound there, so the extra pass over W is small next to it).
+#include "../cuda_compat.h"
+#include "../dtype_traits.cuh"
+#include "quant_gemm.h"
+
+namespace core_kernels {
+namespace {
+
+constexpr int kGemvWarps = 8;  // output rows per CTA
+constexpr int kDequantThreads = 256;
+
+// A float8 e4m3 ("fn") byte as a float. Its 7 magnitude bits shifted to bits 20-26 of a
+// float32 read as 2^(e - 127) * 1.m (e > 0) or 0.m * 2^-126 (e == 0); multiplying by 2^120
+// moves the exponent bias from 127 to e4m3's 7. Exact for every finite e4m3 value.
+__device__ __forceinline__ float fp8_e4m3_to_float(uint32_t byte) {
+  const float magnitude = __uint_as_float((byte & 0x7fu) << 20) * 1.329227995784916e36f;  // 2^120
+  return (byte & 0x80u) ? -magnitude : magnitude;
+}
+
+// Decoding one 16-byte vector of codes into kPer floats (in input order).
+template <QuantCode C>
+struct Codes;
+
+template <>
+struct Codes<QuantCode::kInt4> {
+  static constexpr int kPer = 32;
+  static constexpr int kRowBytesDiv = 2;  // bytes per row = k / 2
+  __device__ __forceinline__ static void decode(const uint4& v, float (&q)[kPer]) {
+    uint32_t w[4];
+    unpack_words(v, w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<float>((w[i] >> (4 * j)) & 15u);
+    }
+  }
+};
+
+template <>
+struct Codes<QuantCode::kInt8> {
+  static constexpr int kPer = 16;
+  static constexpr int kRowBytesDiv = 1;
+  __device__ __forceinline__ static void decode(const uint4& v, float (&q)[kPer]) {
+    uint32_t w[4];
+    unpack_words(v, w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        q[4 * i + j] = static_cast<float>(static_cast<int8_t>((w[i] >> (8 * j)) & 0xffu));
+      }
+    }
+  }
+};
+
+template <>
+struct Codes<QuantCode::kFp8> {
+  static constexpr int kPer = 16;
+  static constexpr int kRowBytesDiv = 1;
+  __device__ __forceinline__ static void decode(const uint4& v, float (&q)[kPer]) {
+    uint32_t w[4];
+    unpack_words(v, w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q[4 * i + j] = fp8_e4m3_to_float((w[i] >> (8 * j)) & 0xffu);
+    }
+  }
+};
+
+// M: the row bucket (1, 2, 4, 8 or 16); rows a.m .. M-1 are computed from row 0 (always
+// valid, no branch inside the unrolled loops) and never written. Per 16-byte code vector the
+// weights are dequantized once, V at a time (w = q * scale + min), and each is used by all M
+// rows; only V weights, V activations and M sums are live at once.
+template <typename T, QuantCode C, int M>
+__global__ void __launch_bounds__(kGemvWarps * kWarpSize)
+    quant_gemv_kernel(const QuantGemvArgs a) {
+  using Code = Codes<C>;
+  constexpr int P = Code::kPer;
+  constexpr int V = T::kVec;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int row = blockIdx.x * kGemvWarps + warp;
+  if (row >= a.n) return;  // the whole warp leaves; nothing below synchronises the CTA
+  const int vecs = a.k / P;
+  const int groups = a.k / a.group;
+  const auto* codes = reinterpret_cast<const uint4*>(a.codes + int64_t(row) * (a.k / Code::kRowBytesDiv));
+  const float* scales = a.scales + int64_t(row) * groups;
+  const float* mins = a.mins != nullptr ? a.mins + int64_t(row) * groups : nullptr;
+  const auto* x = static_cast<const typename T::Storage*>(a.x);
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int v = lane; v < vecs; v += kWarpSize) {
+    float q[P];
+    Code::decode(codes[v], q);
+    const int k0 = v * P;
+    const int g = k0 / a.group;
+    const float s = scales[g];
+    const float mn = mins != nullptr ? mins[g] : 0.f;
+#pragma unroll
+    for (int j = 0; j < P / V; ++j) {
+      float w[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) w[i] = q[j * V + i] * s + mn;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const auto* xr = x + (m < a.m ? m : 0) * a.x_stride + k0 + j * V;
+        float xf[V];
+        T::to_float(*reinterpret_cast<const uint4*>(xr), xf);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[m] += w[i] * xf[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int off = kWarpSize / 2; off > 0; off /= 2) acc[m] += warp_shfl_xor(acc[m], off);
+  }
+  if (lane == 0) {
+    auto* out = static_cast<typename T::Storage*>(a.out);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (m < a.m) out[int64_t(m) * a.n + row] = T::from_float(acc[m]);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_floats(typename T::Storage* dst, const float* f) {
+  typename T::Storage s[T::kVec];
+#pragma unroll
+  for (int i = 0; i < T::kVec; ++i) s[i] = T::from_float(f[i]);
+  uint4 v;
+  __builtin_memcpy(&v, s, sizeof(v));
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+
+template <typename T, QuantCode C>
+__global__ void quant_dequant_kernel(const QuantDequantArgs a) {
+  using Code = Codes<C>;
+  constexpr int P = Code::kPer;
+  const int vecs = a.k / P;
+  const int groups = a.k / a.group;
+  const int64_t total = int64_t(a.n) * vecs;
+  auto* out = static_cast<typename T::Storage*>(a.out);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vecs;
+    const int v = static_cast<int>(i % vecs);
+    const auto* codes = reinterpret_cast<const uint4*>(a.codes + row * (a.k / Code::kRowBytesDiv));
+    float q[P];
+    Code::decode(codes[v], q);
+    const int k0 = v * P;
+    const int g = k0 / a.group;
+    const float s = a.scales[row * groups + g];
+    const float mn = a.mins != nullptr ? a.mins[row * groups + g] : 0.f;
+#pragma unroll
+    for (int j = 0; j < P; ++j) q[j] = q[j] * s + mn;
+#pragma unroll
+    for (int j = 0; j < P / T::kVec; ++j) store_floats<T>(out + row * a.k + k0 + j * T::kVec, q + j * T::kVec);
+  }
+}
+
+template <typename T, QuantCode C>
+cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
+  const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
+  if (a.m <= 1) {
+    quant_gemv_kernel<T, C, 1><<<grid, block, 0, stream>>>(a);
+  } else if (a.m <= 2) {
+    quant_gemv_kernel<T, C, 2><<<grid, block, 0, stream>>>(a);
+  } else if (a.m <= 4) {
+    quant_gemv_kernel<T, C, 4><<<grid, block, 0, stream>>>(a);
+  } else if (a.m <= 8) {
+    quant_gemv_kernel<T, C, 8><<<grid, block, 0, stream>>>(a);
+  } else {
+    quant_gemv_kernel<T, C, 16><<<grid, block, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, QuantCode C>
+cudaError_t launch_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
+  const int64_t items = int64_t(a.n) * (a.k / Codes<C>::kPer);
+  const int64_t blocks = (items + kDequantThreads - 1) / kDequantThreads;
+  const int grid = static_cast<int>(blocks < 65536 ? blocks : 65536);  // grid-stride loop beyond
+  quant_dequant_kernel<T, C><<<grid, kDequantThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Dispatch over (activation dtype, code) for either launcher.
+template <template <typename, QuantCode> class Launch, typename Args>
+cudaError_t dispatch(const Args& a, cudaStream_t stream) {
+#define CORE_QUANT_CODES(T)                                                        \
+  switch (a.code) {                                                                \
+    case QuantCode::kInt4: return Launch<T, QuantCode::kInt4>::run(a, stream);      \
+    case QuantCode::kInt8: return Launch<T, QuantCode::kInt8>::run(a, stream);      \
+    case QuantCode::kFp8: return Launch<T, QuantCode::kFp8>::run(a, stream);        \
+  }                                                                                \
+  return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case DType::kFloat16: { CORE_QUANT_CODES(Fp16) }
+    case DType::kBFloat16: { CORE_QUANT_CODES(Bf16) }
+    case DType::kFloat32: { CORE_QUANT_CODES(Fp32) }
+  }
+#undef CORE_QUANT_CODES
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, QuantCode C>
+struct GemvLauncher {
+  static cudaError_t run(const QuantGemvArgs& a, cudaStream_t s) { return launch_gemv<T, C>(a, s); }
+};
+
+template <typename T, QuantCode C>
+struct DequantLauncher {
+  static cudaError_t run(const QuantDequantArgs& a, cudaStream_t s) { return launch_dequant<T, C>(a, s); }
+};
+
+// The shape contract of quant_gemm.h.
+bool valid_shape(int n, int k, int group, QuantCode code) {
+  const int per = code == QuantCode::kInt4 ? 32 : 16;
+  return n > 0 && k > 0 && k % 32 == 0 && group > 0 && k % group == 0 && group % per == 0;
+}
+
+}  // namespace
+
+cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
+  if (a.m == 0) return cudaSuccess;
+  if (a.m < 0 || a.m > kQuantGemvMaxRows || !valid_shape(a.n, a.k, a.group, a.code)) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch<GemvLauncher>(a, stream);
+}
+
+cudaError_t quant_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
+  if (!valid_shape(a.n, a.k, a.group, a.code)) return cudaErrorInvalidValue;
+  return dispatch<DequantLauncher>(a, stream);
+}
+
+}  // namespace core_kernels

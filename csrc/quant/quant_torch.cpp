@@ -1,0 +1,164 @@
+// Torch registration of the weight-only quantized linear ops (schemas, CUDA and Meta
+// implementations). Like the other core_C ops they write into tensors the caller allocates
+// and return nothing, so they capture in CUDA graphs. platforms/cuda/quant.py packs the
+// weights and calls them.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+
+#include "quant_gemm.h"
+
+namespace {
+
+using core_kernels::DType;
+using core_kernels::QuantCode;
+
+std::string shape(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
+DType dtype_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, std::string("core_C.") + op + ": activations of dtype " +
+                         c10::toString(t.scalar_type()) + " are not supported; use float16, "
+                         "bfloat16 or float32");
+  return DType::kFloat32;
+}
+
+QuantCode code_of(int64_t code, const char* op) {
+  TORCH_CHECK(code >= 0 && code <= 2, std::string("core_C.") + op + ": code " +
+                                          std::to_string(code) + " must be 0 (int4), 1 (int8) or 2 (fp8)");
+  return static_cast<QuantCode>(code);
+}
+
+// Checks the packed weight of quant_gemm.h and returns k (inputs per row).
+int64_t check_weight(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                     QuantCode code, int64_t group, const char* op) {
+  const std::string where = std::string("core_C.") + op + ": ";
+  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
+              where + "codes " + shape(codes) + " must be a contiguous 2-D CUDA tensor of bytes");
+  const int64_t k = codes.size(1) * (code == QuantCode::kInt4 ? 2 : 1);
+  TORCH_CHECK(group > 0 && k % group == 0 && k % 32 == 0 &&
+                  group % (code == QuantCode::kInt4 ? 32 : 16) == 0,
+              where + "group " + std::to_string(group) + " must divide k " + std::to_string(k) +
+                  " (a multiple of 32) and span whole 16-byte code vectors");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == k / group &&
+                  scales.device() == codes.device(),
+              where + "scales " + shape(scales) + " must be contiguous float32 [" +
+                  std::to_string(codes.size(0)) + ", " + std::to_string(k / group) + "]");
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes() &&
+                    mins->device() == codes.device(),
+                where + "mins " + shape(*mins) + " must be contiguous float32 like scales " + shape(scales));
+  }
+  return k;
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, std::string("core_C.") + op + " failed: " + cudaGetErrorString(err));
+}
+
+void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group) {
+  const QuantCode c = code_of(code, "quant_gemv");
+  const int64_t k = check_weight(codes, scales, mins, c, group, "quant_gemv");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
+                  x.device() == codes.device() && (x.stride(0) * x.element_size()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "core_C.quant_gemv: x " + shape(x) + " must be [m, " + std::to_string(k) +
+                  "] on the weight's device with contiguous, 16-byte aligned rows");
+  TORCH_CHECK(x.size(0) <= core_kernels::kQuantGemvMaxRows,
+              "core_C.quant_gemv: " + std::to_string(x.size(0)) + " rows; at most " +
+                  std::to_string(core_kernels::kQuantGemvMaxRows) + " (use quant_dequant + a GEMM)");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == codes.size(0),
+              "core_C.quant_gemv: out " + shape(out) + " must be contiguous [" + std::to_string(x.size(0)) +
+                  ", " + std::to_string(codes.size(0)) + "] in x's dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  core_kernels::QuantGemvArgs a{};
+  a.out = out.data_ptr();
+  a.x = x.data_ptr();
+  a.codes = static_cast<const uint8_t*>(codes.data_ptr());
+  a.scales = scales.data_ptr<float>();
+  a.mins = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  a.x_stride = x.stride(0);
+  a.m = static_cast<int>(x.size(0));
+  a.n = static_cast<int>(codes.size(0));
+  a.k = static_cast<int>(k);
+  a.group = static_cast<int>(group);
+  a.code = c;
+  a.dtype = dtype_of(x, "quant_gemv");
+  check_launch(core_kernels::quant_gemv(a, c10::cuda::getCurrentCUDAStream()), "quant_gemv");
+}
+
+void quant_dequant(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& mins, int64_t code, int64_t group) {
+  const QuantCode c = code_of(code, "quant_dequant");
+  const int64_t k = check_weight(codes, scales, mins, c, group, "quant_dequant");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == codes.size(0) && out.size(1) == k &&
+                  out.device() == codes.device(),
+              "core_C.quant_dequant: out " + shape(out) + " must be contiguous [" +
+                  std::to_string(codes.size(0)) + ", " + std::to_string(k) + "] on the weight's device");
+  const c10::cuda::CUDAGuard guard(codes.device());
+  core_kernels::QuantDequantArgs a{};
+  a.out = out.data_ptr();
+  a.codes = static_cast<const uint8_t*>(codes.data_ptr());
+  a.scales = scales.data_ptr<float>();
+  a.mins = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  a.n = static_cast<int>(codes.size(0));
+  a.k = static_cast<int>(k);
+  a.group = static_cast<int>(group);
+  a.code = c;
+  a.dtype = dtype_of(out, "quant_dequant");
+  check_launch(core_kernels::quant_dequant(a, c10::cuda::getCurrentCUDAStream()), "quant_dequant");
+}
+
+// ---- Meta: ranks only (sizes may be symbolic under torch.compile) ----------------------------
+void quant_gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>&, int64_t, int64_t) {
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
+              "quant_gemv: expected 2-d out, x, codes and scales");
+}
+
+void quant_dequant_meta(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>&, int64_t, int64_t) {
+  TORCH_CHECK(out.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
+              "quant_dequant: expected 2-d out, codes and scales");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(core_C, m) {
+  m.def(
+      "quant_gemv(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
+      "int group) -> ()");
+  m.def(
+      "quant_dequant(Tensor(a!) out, Tensor codes, Tensor scales, Tensor? mins, int code, "
+      "int group) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(core_C, CUDA, m) {
+  m.impl("quant_gemv", &quant_gemv);
+  m.impl("quant_dequant", &quant_dequant);
+}
+
+TORCH_LIBRARY_IMPL(core_C, Meta, m) {
+  m.impl("quant_gemv", &quant_gemv_meta);
+  m.impl("quant_dequant", &quant_dequant_meta);
+}

@@ -1,0 +1,246 @@
+"""Quantized weight formats against their specifications, without a model.
+
+* the int32 nibble packings of AWQ and GPTQ against words written out by hand from the
+  formats' definitions (AutoAWQ ``WQLinear_GEMM``: nibble i holds output ``8c + (0, 2, 4,
+  6, 1, 3, 5, 7)[i]``; GPTQ: nibble i of qweight row r holds input ``8r + i``);
+* GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 blocks of random bytes: our IntWeight dequantizes to the
+  ``gguf`` package's dequantization bit for bit;
+* the canonical forms shard, reorder and join like the dense weights they stand for;
+* method selection: detection, ``--quantization``, and the refusals (unknown method,
+  mismatch, a platform that does not run it), and a plugin's method.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.quantization.fp8 import block_scales_to_groups, tensor_or_channel_scales
+from core.quantization.gguf import KEPT_TYPES, gguf_int_weight
+from core.quantization.int4 import AWQ_ORDER, unpack_int32
+from core.quantization.registry import resolve_quantization
+from core.quantization.tensors import Fp8Weight, IntWeight, cat_rows, quantize_fp8_rows
+from core.quantization.writers import pack_int32
+
+
+def test_awq_packing_matches_the_format_definition():
+    codes = torch.arange(8, dtype=torch.uint8)[None]  # output c holds code c
+    word = pack_int32(codes, 1, AWQ_ORDER)
+    # nibble i holds output AWQ_ORDER[i] = 0, 2, 4, 6, 1, 3, 5, 7 (lowest nibble first)
+    assert word.item() == 0x75316420
+    assert torch.equal(unpack_int32(word, 1, AWQ_ORDER), codes)
+
+
+def test_gptq_packing_matches_the_format_definition():
+    codes = torch.tensor([[9], [1], [2], [3], [4], [5], [6], [15]], dtype=torch.uint8)  # [K=8, N=1]
+    word = pack_int32(codes, 0)
+    assert word.item() == np.int32(np.uint32(0xF6543219)).item()  # input 8r + i in nibble i
+    assert torch.equal(unpack_int32(word, 0), codes)
+
+
+def _random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks with finite fp16 scales at the format's offsets."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    n_halves = 2 if qtype in (3, 12) else 1  # Q4_1: d, m; Q4_K: d, dmin
+    halves = (rng.standard_normal((rows, cols // block, n_halves)) * 0.01).astype(np.float16)
+    raw[..., : 2 * n_halves] = halves.view(np.uint8).reshape(rows, cols // block, 2 * n_halves)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(KEPT_TYPES), ids=lambda q: KEPT_TYPES[q])
+def test_gguf_blocks_dequantize_like_the_gguf_package(qtype):
+    from gguf.quants import dequantize
+
+    rows, cols = 6, 512
+    raw = _random_blocks(qtype, rows, cols, seed=qtype)
+    ours = gguf_int_weight(raw, qtype, (rows, cols))
+    want = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    assert ours.shape == (rows, cols) and ours.group == 32
+    assert torch.equal(ours.dequantize(), want)
+
+
+def _int_weight(rows=32, cols=256, group=64, perm=False, seed=0) -> IntWeight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    scales = torch.rand(rows, cols // group, generator=g) + 0.1
+    mins = torch.randn(rows, cols // group, generator=g)
+    p = torch.randperm(cols, generator=g) if perm else None
+    return IntWeight(4, codes, scales, mins, group, p)
+
+
+def test_int_weight_shards_and_joins_like_its_dense_weight():
+    w = _int_weight()
+    dense = w.dequantize()
+    assert torch.equal(w.narrow(0, 8, 16).dequantize(), dense[8:24])
+    assert torch.equal(w.narrow(1, 64, 128).dequantize(), dense[:, 64:192])
+    rows = torch.randperm(32)
+    assert torch.equal(w.index_rows(rows).dequantize(), dense[rows])
+    other = _int_weight(rows=16, seed=1)
+    assert torch.equal(cat_rows([w, other], "test").dequantize(), torch.cat([dense, other.dequantize()]))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w.narrow(1, 32, 64)
+
+
+def test_act_order_weight_undoes_its_permutation_and_refuses_an_input_split():
+    w = _int_weight(perm=True)
+    plain = IntWeight(4, w.codes, w.scales, w.mins, w.group)
+    # column j of the codes is input perm[j]
+    assert torch.equal(w.dequantize()[:, w.perm], plain.dequantize())
+    x = torch.randn(3, 256)
+    assert torch.allclose(x @ w.dequantize().T, x[:, w.perm] @ plain.dequantize().T, atol=1e-4)
+    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+        w.narrow(1, 0, 128)
+    with pytest.raises(ValueError, match="act-order"):
+        cat_rows([w, _int_weight(perm=True, seed=5)], "qkv")
+
+
+def test_fp8_scale_layouts_dequantize_by_definition():
+    g = torch.Generator().manual_seed(0)
+    codes = (torch.randn(200, 300, generator=g) * 50).to(torch.float8_e4m3fn)
+    blocks = torch.rand(2, 3, generator=g) + 0.5  # [ceil(200/128), ceil(300/128)]
+    w = block_scales_to_groups(codes, blocks, (128, 128), "x")
+    want = codes.float() * blocks.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    assert torch.equal(w.dequantize(), want)
+    assert torch.equal(w.narrow(1, 128, 128).dequantize(), want[:, 128:256])
+    per_channel = tensor_or_channel_scales(codes, blocks.new_ones(200, 1) * 3, "x")
+    assert torch.equal(per_channel.dequantize(), codes.float() * 3)
+    joined = cat_rows([w, per_channel], "fused")  # per-row scales repeat into 128-input groups
+    assert torch.equal(joined.dequantize(), torch.cat([want, codes.float() * 3]))
+    with pytest.raises(ValueError, match="block scales have shape"):
+        block_scales_to_groups(codes, blocks[:1], (128, 128), "x")
+
+
+def test_on_load_fp8_quantization_is_per_channel():
+    w = torch.randn(64, 128) * torch.linspace(0.01, 10, 64)[:, None]  # rows of very different range
+    q = quantize_fp8_rows(w)
+    assert isinstance(q, Fp8Weight) and q.scales.shape == (64, 1)
+    assert q.codes.float().abs().amax(dim=1).allclose(torch.full((64,), 448.0))
+    rel = ((q.dequantize() - w).abs().amax(dim=1) / w.abs().amax(dim=1))
+    assert float(rel.max()) <= 2**-4  # e4m3 keeps 3 mantissa bits: half an ulp is 1/16
+
+
+# ---- choosing a method --------------------------------------------------------------------------
+
+
+class _Config:
+    def __init__(self, quantization_config=None):
+        if quantization_config is not None:
+            self.quantization_config = quantization_config
+
+
+class _HostOnly:
+    """A platform answering like the default Platform.quantization_methods (GGUF only)."""
+
+    name = "host-only"
+
+    @classmethod
+    def quantization_methods(cls):
+        return {"gguf": None}
+
+
+class _Everything:
+    name = "everything"
+
+    @classmethod
+    def quantization_methods(cls):
+        return dict.fromkeys(("fp8", "compressed-tensors", "awq", "gptq", "gguf"))
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+
+
+def test_detected_from_config_and_from_the_flag():
+    assert resolve_quantization(None, _Config(), None, _Everything) is None
+    assert resolve_quantization(None, _Config(AWQ), None, _Everything).name == "awq"
+    assert resolve_quantization("awq_marlin", _Config(AWQ), None, _Everything).name == "awq"
+    assert resolve_quantization(None, _Config(), "/x.gguf", _HostOnly).name == "gguf"
+    on_load = resolve_quantization("fp8", _Config(), None, _Everything)
+    assert on_load.name == "fp8" and on_load.on_load
+
+
+def test_unsupported_quant_method_is_refused_with_what_is_supported():
+    with pytest.raises(ValueError) as e:
+        resolve_quantization(None, _Config({"quant_method": "bitsandbytes"}), None, _Everything)
+    msg = str(e.value)
+    assert "'bitsandbytes'" in msg and "awq" in msg and "fp8" in msg and "gptq" in msg
+
+
+def test_flag_contradicting_the_checkpoint_or_needing_one_is_refused():
+    with pytest.raises(ValueError, match="does not match the checkpoint, which is quantized with awq"):
+        resolve_quantization("fp8", _Config(AWQ), None, _Everything)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized as awq"):
+        resolve_quantization("awq", _Config(), None, _Everything)
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        resolve_quantization("gguf", _Config(), None, _Everything)
+    with pytest.raises(ValueError, match="unknown"):
+        resolve_quantization("int3", _Config(), None, _Everything)
+    with pytest.raises(ValueError, match="8-bit"):
+        resolve_quantization(None, _Config({**AWQ, "bits": 8}), None, _Everything)
+
+
+def test_platform_without_the_method_is_refused_naming_those_that_run_it():
+    with pytest.raises(ValueError) as e:
+        resolve_quantization(None, _Config(AWQ), None, _HostOnly,
+                             platforms={"host-only": _HostOnly, "everything": _Everything})
+    msg = str(e.value)
+    assert "'awq' is not supported by platform 'host-only'" in msg and "['everything']" in msg
+
+
+def test_a_plugin_adds_a_method():
+    import core
+    from core.plugins import Plugins
+    from core.quantization.base import QuantizationMethod
+    from core.quantization.registry import quantization_for
+
+    class Int3Method(QuantizationMethod):
+        name = "int3"
+
+    class Plugin:
+        CORE_PLUGIN_API = ">=1.0,<2"
+
+        @core.hookimpl
+        def core_quantization_methods(self):
+            return [Int3Method]
+
+    class Vendor(_HostOnly):
+        name = "vendor"
+
+        @classmethod
+        def quantization_methods(cls):
+            return {"int3": None}
+
+    plugins = Plugins()
+    plugins.register(Plugin(), "int3-plugin")
+    assert plugins.quantization_methods() == {"int3": Int3Method}
+    method = quantization_for(None, _Config({"quant_method": "int3"}), None, Vendor, plugins)
+    assert isinstance(method, Int3Method)
+    with pytest.raises(ValueError, match="not supported by platform 'host-only'"):
+        quantization_for(None, _Config({"quant_method": "int3"}), None, _HostOnly, plugins)
+
+
+# ---- the CUDA kernels' decoding, emulated on the host ------------------------------------------
+
+
+def test_cuda_int4_packing_is_what_the_kernel_decodes():
+    """csrc/quant reads 32-bit words: nibble i of word w is input 8w + i (quant_gemm.h)."""
+    from platforms.cuda.quant import pack_int4_rows
+
+    codes = torch.randint(0, 16, (4, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    words = pack_int4_rows(codes).view(torch.int32)  # [4, 8] little-endian words
+    decoded = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).flatten(1)
+    assert torch.equal(decoded.to(torch.uint8), codes)
+
+
+def test_cuda_fp8_decoding_trick_is_exact_for_every_finite_code():
+    """The kernel's e4m3 decode: magnitude bits << 20 read as a float32, times 2^120."""
+    codes = torch.arange(256, dtype=torch.int32)
+    finite = (codes & 0x7F) != 0x7F  # 0x7f / 0xff are NaN in e4m3fn
+    magnitude = ((codes & 0x7F) << 20).view(torch.float32) * 2.0**120
+    decoded = torch.where(codes >= 0x80, -magnitude, magnitude)
+    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(decoded[finite], want[finite])
