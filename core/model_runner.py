@@ -97,6 +97,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             pin=self.pin_host,
+            shaper=self.platform.batch_shaper(self.block_size),
         )
 
     # ---- setup --------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The TPU platform: torch-xla with bucketed static shapes (see :mod:`platforms.tpu.buckets`).
+"""The TPU platform: torch-xla with bucketed static shapes (the batch shaper of
+:mod:`core.batch_shape` with the buckets of :mod:`platforms.tpu.buckets`).
 
 Probe policy (side-effect free: torch_xla is located with ``find_spec``, never imported,
 and TPU chips are found by their device files, without starting the XLA runtime):
@@ -27,8 +28,10 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
+from core.batch_shape import BatchShaper, BucketedBatchShaper
 from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
 from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
+from platforms.tpu.buckets import TpuBuckets
 
 TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 """Where a TPU VM exposes its chips (v2-v5e: accel, v5p and later: vfio)."""
@@ -112,6 +115,11 @@ class TpuPlatform(Platform):
         return builtin_backend(
             self.name, requested, default, PallasTpuAttentionBackend, TpuAttentionBackend
         )
+
+    def batch_shaper(self, block_size: int) -> BatchShaper:
+        """Every step padded to :class:`~platforms.tpu.buckets.TpuBuckets` on the host, so
+        XLA compiles one program per bucketed shape, not one per batch."""
+        return BucketedBatchShaper(TpuBuckets(), block_size)
 
     # ---- distributed and runtime ---------------------------------------------------------
     def distributed_backend(self) -> str:
