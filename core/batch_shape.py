@@ -114,13 +114,25 @@ class BatchShaper(ABC):
 
 
 class BucketedBatchShaper(BatchShaper):
-    """Pads each dimension to the bucket ``buckets`` gives it (see module docstring)."""
+    """Pads each dimension to the bucket ``buckets`` gives it (see module docstring).
 
-    def __init__(self, buckets: ShapeBuckets, block_size: int):
+    :param before_step: called first in every :meth:`shape`, before any of the step's
+        device work is queued. A lazy-tracing device (XLA) cuts the work still queued from
+        the previous step (sampling bookkeeping, block copies, whose sizes follow the
+        batch) into a program of its own there, so the step's program holds only the
+        shaped step and its shape alone decides whether it compiles.
+    """
+
+    def __init__(
+        self, buckets: ShapeBuckets, block_size: int, before_step: Callable[[], None] | None = None
+    ):
         self.buckets = buckets
         self.block_size = block_size
+        self.before_step = before_step
 
     def shape(self, step: HostStep) -> HostStep:
+        if self.before_step is not None:
+            self.before_step()
         b, p = self.buckets, step.num_prefills
         qlens, ctx = step.query_lens, step.context_lens
         d = len(qlens) - p

@@ -37,6 +37,13 @@ TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 """Where a TPU VM exposes its chips (v2-v5e: accel, v5p and later: vfio)."""
 
 
+def _cut_graph() -> None:
+    """Launch what is traced so far as one program (without waiting for it)."""
+    import torch_xla
+
+    torch_xla.sync()
+
+
 def tpu_chip_files() -> list[str]:
     return sorted(f for pattern in TPU_DEVICE_FILES for f in glob.glob(pattern))
 
@@ -118,8 +125,10 @@ class TpuPlatform(Platform):
 
     def batch_shaper(self, block_size: int) -> BatchShaper:
         """Every step padded to :class:`~platforms.tpu.buckets.TpuBuckets` on the host, so
-        XLA compiles one program per bucketed shape, not one per batch."""
-        return BucketedBatchShaper(TpuBuckets(), block_size)
+        XLA compiles one program per bucketed shape, not one per batch. Before each step,
+        the work the previous one left queued (sampling bookkeeping) is cut into its own
+        program, so it never changes the step's."""
+        return BucketedBatchShaper(TpuBuckets(), block_size, before_step=_cut_graph)
 
     # ---- distributed and runtime ---------------------------------------------------------
     def distributed_backend(self) -> str:
@@ -141,9 +150,7 @@ class TpuPlatform(Platform):
 
     def step_boundary(self) -> None:
         """Cut the step's traced graph and launch it (compiled once per bucketed shape)."""
-        import torch_xla
-
-        torch_xla.sync()
+        _cut_graph()
 
     def seed_everything(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
