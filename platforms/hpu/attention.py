@@ -38,18 +38,21 @@ class HpuAttentionBackend(AttentionBackend):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
-        """Static-shape write: padding rows (slot < 0) are redirected to repeat the first
-        real row, so every index_copy_ has the batch's shape and duplicates carry identical
-        data (the result does not depend on which duplicate lands last)."""
-        valid = slot_mapping >= 0
-        if not bool(valid.any()):  # all padding: nothing to write
+        """Static-shape write with no host sync: padding rows (slot < 0) are redirected to
+        repeat the first real row, so every index_copy_ has the batch's shape and duplicates
+        carry identical data (the result does not depend on which duplicate lands last). A
+        batch of padding only rewrites slot 0 with its own contents."""
+        if slot_mapping.shape[0] == 0:
             return
+        valid = slot_mapping >= 0
+        any_valid = valid.any()
         rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
         src = torch.where(valid, rows, valid.to(torch.int64).argmax())
-        slots = slot_mapping.index_select(0, src)
+        slots = torch.where(any_valid, slot_mapping.index_select(0, src), 0)
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, slots, kvh, d]
-        flat[0].index_copy_(0, slots, key.index_select(0, src).to(flat.dtype))
-        flat[1].index_copy_(0, slots, value.index_select(0, src).to(flat.dtype))
+        for part, new in ((0, key), (1, value)):
+            rows_new = new.index_select(0, src).to(flat.dtype)
+            flat[part].index_copy_(0, slots, torch.where(any_valid, rows_new, flat[part, :1]))
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         """Write this step's K/V, then attend over the cache (new tokens included)."""
