@@ -136,13 +136,12 @@ class BucketedBatchShaper(BatchShaper):
         b, p = self.buckets, step.num_prefills
         qlens, ctx = step.query_lens, step.context_lens
         d = len(qlens) - p
-        sp = b.pad_seqs(p) if p else 0
-        sd = b.pad_seqs(d) if d else 0
-        prefill_rows = int(qlens[:p].sum())
-        rows = b.pad_tokens(prefill_rows + sd)
-        query = b.pad_query(int(qlens[:p].max())) if p else 1
+        sp = _padded(b.pad_seqs, p) if p else 0
+        sd = _padded(b.pad_seqs, d) if d else 0
+        rows = _padded(b.pad_tokens, int(qlens[:p].sum()) + sd)
+        query = _padded(b.pad_query, int(qlens[:p].max())) if p else 1
         used = -(-(ctx + qlens) // self.block_size)
-        width = b.pad_blocks(max(int(used.max(initial=0)), 1))
+        width = _padded(b.pad_blocks, max(int(used.max(initial=0)), 1))
         tables = np.zeros((sp + sd, width), dtype=np.int32)
         keep = min(width, step.block_tables.shape[1])
         tables[:p, :keep] = step.block_tables[:p, :keep]
@@ -159,6 +158,17 @@ class BucketedBatchShaper(BatchShaper):
             max_query_len=query,
             max_seq_len=width * self.block_size,
         )
+
+
+def _padded(pad: Callable[[int], int], n: int) -> int:
+    """``pad(n)``, refused when it would drop entries (a bucket smaller than the size)."""
+    padded = pad(n)
+    if padded < n:
+        raise ValueError(
+            f"{getattr(pad, '__qualname__', pad)}({n}) returned {padded}: a bucket must be at "
+            f"least the size it pads; fix the platform's bucket rule"
+        )
+    return padded
 
 
 def _pad_rows(a: np.ndarray, rows: int, fill: int) -> np.ndarray:

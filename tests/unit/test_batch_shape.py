@@ -124,3 +124,25 @@ def test_build_metadata_refuses_mismatched_lengths():
         build_metadata([1, 2], [0], [[1], [2]], 16, num_prefills=1)
     with pytest.raises(ValueError, match="1 block tables for 2 sequences"):
         build_metadata([1, 2], [0, 0], [[1]], 16, num_prefills=1)
+
+
+def test_a_bucket_smaller_than_its_size_is_refused():
+    class Shrinking:
+        def pad_tokens(self, n):
+            return n
+
+        def pad_seqs(self, n):
+            return n
+
+        def pad_query(self, n):
+            return n
+
+        def pad_blocks(self, n):
+            return max(1, n - 1)
+
+    md = build_metadata([1], [40], [[3, 4, 5]], BLOCK, num_prefills=0)
+    step = HostStep(np.zeros(1, np.int64), np.full(1, 40), md.slot_mapping.numpy(),
+                    np.zeros(1, np.int64), np.ones(1, np.int64), np.full(1, 40),
+                    md.block_tables.numpy(), 0)
+    with pytest.raises(ValueError, match=r"pad_blocks\(3\) returned 2: a bucket must be at least"):
+        BucketedBatchShaper(Shrinking(), BLOCK).shape(step)
