@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -58,6 +60,13 @@ class AttentionMetadata:
     ``context_lens[i]`` of them already cached); sequences after them are decodes (one new
     token each). Token ``t`` of sequence ``i`` sits at flat row ``query_start_loc[i] + t``
     and has absolute position ``context_lens[i] + t``.
+
+    On a platform with a batch shaper (:meth:`core.platform.Platform.batch_shaper`) the
+    runner pads every step to the platform's buckets before the backend sees it: then some
+    prefills are empty (no rows, ``seq_lens`` 0), some decodes are padding (context 0,
+    ``seq_lens`` 1, table row all 0), rows past :attr:`num_tokens` belong to no sequence,
+    and every padding row has slot -1 (see :mod:`core.batch_shape` for the layout). Real
+    rows keep their places. Build metadata by hand with :func:`build_metadata`.
     """
 
     num_prefills: int
@@ -78,7 +87,9 @@ class AttentionMetadata:
     """[num_seqs, max_blocks] int32; row i lists sequence i's blocks in order; unused
     entries are 0 and never read past ``ceil(seq_lens[i] / block_size)``."""
     max_query_len: int
+    """Most new tokens of one sequence (a batch shaper rounds it up to its query bucket)."""
     max_seq_len: int
+    """Longest ``seq_lens`` entry (a batch shaper rounds it up to a whole bucketed table)."""
     seq_lens_host: tuple[int, ...] = ()
     """``seq_lens`` as Python ints (lets backends avoid a device sync)."""
     context_lens_host: tuple[int, ...] = ()
@@ -90,7 +101,84 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
+        """Rows that belong to a sequence. A shaped batch (:mod:`core.batch_shape`) has
+        padding rows after them: ``slot_mapping`` is then longer, and every tensor of the
+        step has its bucketed row count."""
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+def build_metadata(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    num_prefills: int,
+    device: torch.device | str = "cpu",
+    slot_mapping: Sequence[int] | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> AttentionMetadata:
+    """The metadata of one step, from its host-side facts: the one way to build it by hand.
+
+    :param query_lens: new tokens per sequence, prefills first (the first ``num_prefills``).
+    :param context_lens: tokens each sequence has cached before this step.
+    :param block_tables: each sequence's blocks in order (rows of any length: padded with
+        the null block 0 to the longest; a 2-D array is taken as it is).
+    :param slot_mapping: the slot of every row; None computes it from the tables
+        (``slot = block * block_size + offset``). It may be longer than the new tokens:
+        the rows after them are padding rows (slot -1) of a shaped batch.
+    :param max_query_len: / :param max_seq_len: a batch shaper's bucketed values; None
+        takes the true maxima.
+    """
+    qlens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    ctx = np.asarray(context_lens, dtype=np.int64).reshape(-1)
+    if len(qlens) != len(ctx) or not 0 <= num_prefills <= len(qlens):
+        raise ValueError(
+            f"{len(qlens)} query lengths, {len(ctx)} context lengths and num_prefills="
+            f"{num_prefills}: give one query and one context length per sequence, and at "
+            f"most that many prefills"
+        )
+    seq_lens = ctx + qlens
+    qsl = np.concatenate([[0], np.cumsum(qlens)])
+    table = _table_array(block_tables, len(qlens))
+    if slot_mapping is None:
+        seq_of = np.repeat(np.arange(len(qlens)), qlens)
+        pos = ctx[seq_of] + np.arange(int(qsl[-1])) - qsl[seq_of]
+        slots = table[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    else:
+        slots = np.asarray(slot_mapping, dtype=np.int64)
+
+    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(device)
+
+    return AttentionMetadata(
+        num_prefills=num_prefills,
+        num_prefill_tokens=int(qsl[num_prefills]),
+        num_decode_tokens=len(qlens) - num_prefills,
+        slot_mapping=dev(slots, torch.int64),
+        seq_lens=dev(seq_lens, torch.int32),
+        context_lens=dev(ctx, torch.int32),
+        query_start_loc=dev(qsl, torch.int32),
+        block_tables=dev(table, torch.int32),
+        max_query_len=int(qlens.max(initial=0)) if max_query_len is None else max_query_len,
+        max_seq_len=int(seq_lens.max(initial=0)) if max_seq_len is None else max_seq_len,
+        seq_lens_host=tuple(seq_lens.tolist()),
+        context_lens_host=tuple(ctx.tolist()),
+    )
+
+
+def _table_array(block_tables: Sequence[Sequence[int]], num_seqs: int) -> np.ndarray:
+    """Block tables as one [num_seqs, width] int32 array (short rows padded with 0)."""
+    if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
+        return block_tables.astype(np.int32, copy=False)
+    rows = [list(r) for r in block_tables]
+    if len(rows) != num_seqs:
+        raise ValueError(f"{len(rows)} block tables for {num_seqs} sequences: give one each")
+    table = np.zeros((num_seqs, max((len(r) for r in rows), default=0)), dtype=np.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    return table
 
 
 class AttentionBackend(ABC):

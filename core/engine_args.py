@@ -41,7 +41,8 @@ _COUNTS = {
     "max_waiting_requests": (0, True),
     "seed": (0, False),
 }
-_CHOICES = {
+CHOICES = {
+    # field -> the values it accepts (also the flag's choices)
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "scheduling_policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute", "swap"),
@@ -64,7 +65,7 @@ def validate_engine_args(args: EngineArgs) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             unset = " or None (automatic)" if optional else ""
             raise ValueError(f"{_where(name)}={value!r} is invalid: must be an integer >= {low}{unset}")
-    for name, allowed in _CHOICES.items():
+    for name, allowed in CHOICES.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"{_where(name)}={getattr(args, name)!r} is invalid: must be one of {', '.join(allowed)}")
     if args.async_scheduling is not None and not isinstance(args.async_scheduling, bool):
@@ -85,109 +86,88 @@ def validate_engine_args(args: EngineArgs) -> None:
 
 @dataclass
 class EngineArgs:
-    """Everything a user can set when starting an engine. ``None`` means "decide for me"."""
+    """Everything a user can set when starting an engine. ``None`` means "decide for me".
+
+    Each field is one command-line flag (``--max-num-seqs`` for ``max_num_seqs``), made by
+    :mod:`core.entrypoints.engine_flags` from the field's type, default and the docstring
+    below it, which is the flag's help: add a field with a docstring and the flag exists.
+    """
 
     model: str | None = None
-    """HF model directory or .gguf file; None = the embedded SmolLM2-135M-Instruct."""
+    """HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)"""
     tokenizer: str | None = None
+    """tokenizer dir (default: the model's own)"""
     platform: str | None = None
-    """Platform name; None = CORE_PLATFORM or the best probe score."""
+    """platform name (default: CORE_PLATFORM, else the best probe; see `core platforms`)"""
     dtype: str = "auto"
+    """compute dtype; auto = the platform's choice for the checkpoint"""
     max_model_len: int | None = None
+    """longest prompt + reply in tokens (default: the model's max_position_embeddings)"""
     block_size: int | None = None
+    """tokens per KV block (default: the platform's)"""
     kv_cache_memory: int | str | None = None
-    """Bytes (or '4GiB') of KV cache; None = the platform's default budget."""
+    """KV cache size in bytes or e.g. 2GiB (default: the platform's budget)"""
     gpu_memory_utilization: float = 0.9
+    """fraction of the device's memory for weights, activations and KV cache (platforms with
+    their own device memory; --kv-cache-memory overrides)"""
     swap_space: float = 0.0
-    """GiB of host memory for swapped-out KV blocks."""
+    """GiB of host memory for swapped-out KV blocks"""
     enable_prefix_caching: bool = True
+    """reuse the KV blocks of a shared prompt prefix (--no-prefix-caching: do not)"""
     num_blocks_override: int | None = None
+    """exact number of KV blocks, ignoring the memory budget (for tests)"""
     max_num_seqs: int = 256
+    """most sequences in one step's batch"""
     max_num_batched_tokens: int | None = None
+    """most tokens in one step (default: max(2048, min(max-model-len, 8192)))"""
     enable_chunked_prefill: bool = True
+    """prefill long prompts in chunks (--no-chunked-prefill: each prompt in one step)"""
     scheduling_policy: str = "fcfs"
+    """fcfs = arrival order; priority = lower priority value first, then arrival"""
     preemption_mode: str = "recompute"
+    """what a preempted sequence loses: its KV (recompute) or moves it to host (swap)"""
     watermark_blocks: int = 0
+    """free KV blocks kept in reserve when admitting new requests"""
     max_num_partial_prefills: int = 1
+    """how many prompts may be mid-prefill at once"""
     tensor_parallel_size: int = 1
+    """devices to split the model over"""
     executor: str = "auto"
+    """where the model runs: uni = this process, mp = one process per rank, ray"""
     load_format: str = "auto"
+    """checkpoint format; dummy = random weights of the model's shape (benchmarks)"""
     weight_format: str = "auto"
-    """In-memory weight format; auto lets the platform choose (with --dtype auto)."""
+    """in-memory weight format: auto (platform's choice, with --dtype auto), dense, or a
+    platform format (cpu: int8, int4)"""
     quantization: str | None = None
-    """Quantization method (vLLM's names: fp8, awq, gptq, compressed-tensors, gguf); None =
-    the checkpoint's own; fp8 on an unquantized checkpoint quantizes it while loading."""
+    """quantization method: fp8, awq, gptq, compressed-tensors, gguf (default: the
+    checkpoint's quantization_config); fp8 on a bf16 checkpoint quantizes it on load"""
     seed: int = 0
+    """seed of the engine's random state at start (dummy weights; sampling of requests
+    without --sample-seed)"""
     attention_backend: str | None = None
+    """attention backend by name (default: the platform's)"""
     enforce_eager: bool = False
+    """no graph capture or compilation"""
     async_scheduling: bool | None = None
-    """Schedule the next step while the device runs this one; None = where the executor
-    supports it (tensor_parallel_size 1, the in-process executor)."""
+    """schedule step N+1 while the device runs step N (default: on with the in-process
+    executor, off with mp/ray, which run steps synchronously)"""
     max_waiting_requests: int | None = None
+    """refuse new requests while this many wait (default: no limit)"""
     disable_log_stats: bool = False
+    """no periodic throughput and queue log lines from the server"""
     log_prompts: bool = False
+    """include prompt text in request logs"""
 
     def __post_init__(self) -> None:
         validate_engine_args(self)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        g.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's own)")
-        g.add_argument("--platform", default=None,
-                       help="platform name (default: CORE_PLATFORM, else the best probe; see `core platforms`)")
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="compute dtype; auto = the platform's choice for the checkpoint")
-        g.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + reply in tokens (default: the model's max_position_embeddings)")
-        g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the platform's)")
-        g.add_argument("--kv-cache-memory", default=None,
-                       help="KV cache size, e.g. 2GiB (default: the platform's budget)")
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of the device's memory for weights, activations and KV cache "
-                            "(platforms with their own device memory; --kv-cache-memory overrides)")
-        g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out KV blocks")
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="do not reuse the KV blocks of a shared prompt prefix")
-        g.add_argument("--num-blocks-override", type=int, default=None,
-                       help="exact number of KV blocks, ignoring the memory budget (for tests)")
-        g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step's batch")
-        g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="most tokens in one step (default: max(2048, min(max-model-len, 8192)))")
-        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                       help="prefill each prompt in one step instead of in chunks")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                       help="fcfs = arrival order; priority = lower priority value first, then arrival")
-        g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                       help="what a preempted sequence loses: its KV (recompute) or moves it to host (swap)")
-        g.add_argument("--watermark-blocks", type=int, default=0,
-                       help="free KV blocks kept in reserve when admitting new requests")
-        g.add_argument("--max-num-partial-prefills", type=int, default=1,
-                       help="how many prompts may be mid-prefill at once")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
-        g.add_argument("--executor", default="auto", choices=["auto", "uni", "mp", "ray"],
-                       help="where the model runs: uni = this process, mp = one process per rank, ray")
-        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "pt", "dummy"],
-                       help="checkpoint format; dummy = random weights of the model's shape (benchmarks)")
-        g.add_argument("--weight-format", default="auto",
-                       help="in-memory weight format: auto (platform's choice), dense, or a platform format (cpu: int8, int4)")
-        g.add_argument("--quantization", "-q", default=None,
-                       help="quantization method: fp8, awq, gptq, compressed-tensors, gguf (default: the "
-                            "checkpoint's quantization_config); fp8 on a bf16 checkpoint quantizes it on load")
-        g.add_argument("--seed", type=int, default=0,
-                       help="seed of the engine's random state at start (dummy weights; sampling of "
-                            "requests without --sample-seed)")
-        g.add_argument("--attention-backend", default=None,
-                       help="attention backend by name (default: the platform's)")
-        g.add_argument("--enforce-eager", action="store_true", help="no graph capture or compilation")
-        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="schedule step N+1 while the device runs step N (default: on with the "
-                            "in-process executor, off with mp/ray, which run steps synchronously)")
-        g.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="refuse new requests while this many wait (default: no limit)")
-        g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput and queue log lines from the server")
-        g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs")
+        """One flag per field (see :func:`core.entrypoints.engine_flags.add_engine_flags`)."""
+        from core.entrypoints.engine_flags import add_engine_flags
+
+        add_engine_flags(parser)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from core.attention import AttentionMetadata
+from core.batch_shape import BatchShaper, HostStep
 from core.request import PLACEHOLDER_TOKEN
 from core.scheduler import ScheduledSequence
 
@@ -60,14 +61,18 @@ class PersistentBatch:
         block_size)``); grows if a table is longer.
     :param pin: stage host inputs in page-locked memory (platforms that can pin host memory
         and have memory of their own), so the copies do not wait for the device.
+    :param shaper: the platform's batch shaper (static-shape devices): each step is then
+        padded on the host and uploaded whole (see :mod:`core.batch_shape`).
     """
 
     def __init__(
-        self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, pin: bool
+        self, max_rows: int, max_blocks: int, block_size: int, device: torch.device, pin: bool,
+        shaper: BatchShaper | None = None,
     ):
         self.block_size = block_size
         self.device = device
         self.pin = pin
+        self.shaper = shaper
         self._known: list[int] = []  # blocks written per row
         self._first: list[int] = []  # block 0 and the last written block of each row:
         self._last: list[int] = []  # a change there means the table was replaced
@@ -180,6 +185,13 @@ class PersistentBatch:
         bs = self.block_size
         slots = self._tables[token_rows, positions // bs] * bs + positions % bs
         seq_lens = starts + qlens
+        if self.shaper is not None:  # static shapes: pad on the host, upload bucketed tensors
+            host = HostStep(ids, positions, slots, token_rows, qlens, starts,
+                            self._tables[row_arr], num_prefills)
+            ids_d, pos_d, rows_d, md = self.shaper.shape(host).upload(self.device, bs, self._upload)
+            if placeholders:
+                ids_d = torch.where(ids_d < 0, self._last_tokens[rows_d], ids_d)
+            return StepInputs(ids_d, pos_d, md, tuple(rows))
         flat = np.asarray(written, dtype=np.int64)
         clear_arr = np.asarray(clear, dtype=np.int64)
         # Two packed copies, int64 and int32, split again by the views below.

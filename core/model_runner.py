@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec, build_metadata
 from core.attention_sites import AttentionSite
 from core.config import EngineConfig
 from core.distributed import Communicator, SingleRank
@@ -97,6 +97,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             pin=self.pin_host,
+            shaper=self.platform.batch_shaper(self.block_size),
         )
 
     # ---- setup --------------------------------------------------------------------------
@@ -331,23 +332,9 @@ def _next_prompt_tokens(s: ScheduledSequence) -> list[int]:
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
     """Fresh prompts of ``lens`` tokens whose slots are all padding (-1): attention runs,
     nothing is written to the (one-block) caches, and every block table entry is block 0."""
-    n = sum(lens)
-    width = -(-max(lens) // block_size)
-    qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
-    return AttentionMetadata(
-        num_prefills=len(lens),
-        num_prefill_tokens=n,
-        num_decode_tokens=0,
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        context_lens=torch.zeros(len(lens), dtype=torch.int32, device=device),
-        query_start_loc=qsl.to(device),
-        block_tables=torch.zeros((len(lens), width), dtype=torch.int32, device=device),
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-        seq_lens_host=tuple(lens),
-        context_lens_host=(0,) * len(lens),
-    )
+    tables = [[0] * -(-max(lens) // block_size)] * len(lens)
+    return build_metadata(lens, [0] * len(lens), tables, block_size, num_prefills=len(lens),
+                          device=device, slot_mapping=[-1] * sum(lens))
 
 
 def _profile_row(i: int, params: SamplingParams) -> ScheduledSequence:

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+    from core.batch_shape import BatchShaper
     from core.config import EngineConfig
 
 
@@ -321,6 +322,15 @@ class Platform(ABC):
         """A strategy that replays decode steps of ``model`` over ``kv_caches`` from captured
         graphs; asked only of platforms with :attr:`Capability.GRAPH_CAPTURE` and not under
         ``--enforce-eager``. Default: None (every step runs eagerly)."""
+        return None
+
+    # ---- static shapes ----------------------------------------------------------------
+    def batch_shaper(self, block_size: int) -> BatchShaper | None:
+        """A strategy that pads every step to this device's buckets (see
+        :mod:`core.batch_shape`), for devices that compile one program per input shape.
+        The runner applies it once per step, on the host, before the inputs reach the
+        device; the attention backend then receives the shaped metadata. Default: None
+        (each step has its exact sizes)."""
         return None
 
     # ---- distributed ----------------------------------------------------------------

@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 # Compatibility promise: minor bumps only add hooks, optional Platform methods with
 # defaults, or optional AttentionMetadata fields; a major bump may change or remove
 # any of them.
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """1.1: ``core_op_overrides`` also receives the engine's ``config``; new hook
-``core_model_configs``."""
+``core_model_configs``. 1.2: ``Platform.batch_shaper`` (static-shape steps, see
+core.batch_shape) and ``core.attention.build_metadata``."""

@@ -5,7 +5,7 @@
   trained locally, so the directory loads with ``AutoTokenizer`` / ``from_pretrained`` and
   with our loader. Nothing is downloaded.
 * :class:`PagedSession` runs a model step by step over a paged KV cache, building
-  :class:`~core.attention.AttentionMetadata` by hand.
+  its metadata with :func:`core.attention.build_metadata`.
 * :func:`run_ranks` runs one function per tensor-parallel rank in threads joined by
   :class:`ThreadComm`, a real (in-process) all-reduce / all-gather.
 * :func:`wait_for_server` waits for a server subprocess to answer ``/health``, for as long as
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention import build_metadata
 from core.config import ModelConfig
 from core.conformance.tiny_model import SPECIALS
 from core.conformance.tiny_model import TINY_LLAMA as CONFORMANCE_TINY_LLAMA
@@ -213,27 +213,10 @@ class PagedSession:
             ctx_lens.append(ctx)
             q_lens.append(len(toks))
             self.lens[seq] = ctx + len(toks)
-        seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-        width = max(len(self.tables[s]) for s, _ in chunks)
-        tables = [self.tables[s] + [0] * (width - len(self.tables[s])) for s, _ in chunks]
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
-        i32 = dict(dtype=torch.int32)
-        md = AttentionMetadata(
-            num_prefills=len(prefills),
-            num_prefill_tokens=sum(q_lens[: len(prefills)]),
-            num_decode_tokens=len(decodes),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, **i32),
-            context_lens=torch.tensor(ctx_lens, **i32),
-            query_start_loc=torch.tensor(starts, **i32),
-            block_tables=torch.tensor(tables, **i32),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            seq_lens_host=tuple(seq_lens),
-            context_lens_host=tuple(ctx_lens),
-        )
+        tables = [self.tables[s] for s, _ in chunks]
+        md = build_metadata(q_lens, ctx_lens, tables, self.block_size, num_prefills=len(prefills),
+                            slot_mapping=slots)
+        starts = md.query_start_loc.tolist()
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.caches, md)
             logits = self.model.compute_logits(hidden)

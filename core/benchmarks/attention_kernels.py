@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from core.attention import AttentionBackend, AttentionSpec, build_metadata
 from core.plugins import Plugins
 
 FLUSH_BYTES = 512 << 20  # several times any L2 cache
@@ -112,17 +112,9 @@ def decode_step(shape: Shape, batch: int, context: int, device) -> tuple[Any, ..
     per_seq = -(-context // bs)
     num_blocks = batch * per_seq + 1  # block 0 stays the null block
     cache_shape_args = (num_blocks, bs, shape.num_kv_heads, shape.head_size)
-    tables = (torch.randperm(num_blocks - 1, device=device) + 1).view(batch, per_seq).int()
-    last = context - 1  # the new token's position
-    slots = tables[:, last // bs].long() * bs + last % bs
-    md = AttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=batch, slot_mapping=slots,
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-        context_lens=torch.full((batch,), context - 1, dtype=torch.int32, device=device),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        block_tables=tables, max_query_len=1, max_seq_len=context,
-        seq_lens_host=(context,) * batch, context_lens_host=(context - 1,) * batch,
-    )
+    tables = (torch.randperm(num_blocks - 1) + 1).view(batch, per_seq).int()
+    md = build_metadata([1] * batch, [context - 1] * batch, tables.numpy(), bs, num_prefills=0,
+                        device=device)
     def rand(*s):
         return torch.randn(*s, device=device, dtype=shape.dtype)
     q = rand(batch, shape.num_heads, shape.head_size)
@@ -181,17 +173,8 @@ def bench_prefill(backend_cls, shape, device, flush, cases=((4, 0, 1024), (1, 30
         per_seq = -(-(ctx + new) // bs)
         cache = backend.allocate_kv_cache(n * per_seq + 1, device)
         cache.normal_()
-        tables = (torch.arange(n * per_seq, device=device) + 1).view(n, per_seq).int()
-        pos = torch.arange(ctx, ctx + new, device=device)
-        slots = (tables[:, pos // bs].long() * bs + pos % bs).flatten()
-        md = AttentionMetadata(
-            num_prefills=n, num_prefill_tokens=n * new, num_decode_tokens=0, slot_mapping=slots,
-            seq_lens=torch.full((n,), ctx + new, dtype=torch.int32, device=device),
-            context_lens=torch.full((n,), ctx, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device) * new,
-            block_tables=tables, max_query_len=new, max_seq_len=ctx + new,
-            seq_lens_host=(ctx + new,) * n, context_lens_host=(ctx,) * n,
-        )
+        tables = (torch.arange(n * per_seq) + 1).view(n, per_seq).int()
+        md = build_metadata([new] * n, [ctx] * n, tables.numpy(), bs, num_prefills=n, device=device)
         q = torch.randn(n * new, spec.num_heads, spec.head_size, device=device, dtype=spec.dtype)
         k = torch.randn(n * new, spec.num_kv_heads, spec.head_size, device=device, dtype=spec.dtype)
         ms = median_ms(functools.partial(backend.forward, q, k, k, cache, md), device, flush)

@@ -16,9 +16,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec, reference_attention
+from core.attention import AttentionBackend, AttentionSpec, reference_attention
+from core.batch_shape import BatchShaper, HostStep
 from core.platform import Platform
 
 SENTINEL = 100.0
@@ -86,9 +88,13 @@ class PagedCase:
     device: torch.device = field(init=False)
     cache: torch.Tensor = field(init=False)
     free: list[int] = field(init=False)
+    shaper: BatchShaper | None = field(init=False)
+    """The platform's batch shaper (None: exact shapes); every step goes through it, as
+    in the engine, so a static-shape backend is checked on the metadata it receives."""
 
     def __post_init__(self) -> None:
         self.backend = self.platform.attention_backend_class(self.spec)(self.spec)
+        self.shaper = self.platform.batch_shaper(self.spec.block_size)
         self.device = self.platform.device(0)
         self.cache = self.new_cache()
         self.free = list(range(1, self.num_blocks))
@@ -151,8 +157,9 @@ class PagedCase:
         md, q, k, v = self._batch(entries, len(prefills), tables)
         with torch.inference_mode():
             out = self.backend.forward(q, k, v, self.cache if cache is None else cache, md)
+        real = sum(n for _, n in entries)  # a shaped step's padding rows come after them
         expected = reference_attention(
-            q.cpu(),
+            q.cpu()[:real],
             [s.keys[: s.cached + n] for s, n in entries],
             [s.values[: s.cached + n] for s, n in entries],
             [n for _, n in entries],
@@ -161,9 +168,11 @@ class PagedCase:
         )
         for s, n in entries:
             s.cached += n
-        return StepResult(out.cpu(), expected, label)
+        return StepResult(out.cpu()[:real], expected, label)
 
     def _batch(self, entries, num_prefills: int, tables: dict[int, list[int]]):
+        """Metadata and q/k/v of a step, shaped by the platform's batch shaper if it has
+        one (padding rows of q/k/v are zeros: never written, their output is dropped)."""
         q, k, v, slots, ctx, qlens, rows = [], [], [], [], [], [], []
         for s, n in entries:
             new = slice(s.cached, s.cached + n)
@@ -175,28 +184,24 @@ class PagedCase:
             ctx.append(s.cached)
             qlens.append(n)
             rows.append(blocks[: -(-(s.cached + n) // self.spec.block_size)])
-        seq_lens = [c + n for c, n in zip(ctx, qlens)]
         width = max(len(r) for r in rows) + 1  # one extra null column, as runners pad
-        table = [r + [0] * (width - len(r)) for r in rows]
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
-        dev, i32 = self.device, torch.int32
-        md = AttentionMetadata(
-            num_prefills=num_prefills,
-            num_prefill_tokens=starts[num_prefills],
-            num_decode_tokens=len(entries) - num_prefills,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=i32, device=dev),
-            context_lens=torch.tensor(ctx, dtype=i32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=i32, device=dev),
-            block_tables=torch.tensor(table, dtype=i32, device=dev),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            seq_lens_host=tuple(seq_lens),
-            context_lens_host=tuple(ctx),
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = r
+        none = np.zeros(len(slots), dtype=np.int64)  # ids, positions: not read here
+        step = HostStep(
+            none, none, np.asarray(slots, dtype=np.int64), none, np.asarray(qlens, dtype=np.int64),
+            np.asarray(ctx, dtype=np.int64), table, num_prefills,
         )
-        return md, *(torch.cat(t).to(dev) for t in (q, k, v))
+        if self.shaper is not None:
+            step = self.shaper.shape(step)
+        md = step.upload(self.device, self.spec.block_size)[3]
+        padded = []
+        for t in (q, k, v):
+            flat = torch.cat(t)
+            pad = flat.new_zeros(md.slot_mapping.shape[0] - flat.shape[0], *flat.shape[1:])
+            padded.append(torch.cat([flat, pad]).to(self.device))
+        return md, *padded
 
 
 # ---- comparing and reporting ----------------------------------------------------------------

@@ -12,6 +12,7 @@ import textwrap
 
 from core import envs
 from core.engine_args import DEVICE_MEMORY_FLAGS, EngineArgs
+from core.entrypoints.engine_flags import add_engine_flags
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -291,13 +292,13 @@ def build_parser(device_memory: bool = True) -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the user message (or raw text with --no-chat-template)")
     p.add_argument("--no-chat-template", dest="chat_template_off", action="store_true",
                    help="send the prompt as raw text instead of a chat turn")
-    EngineArgs.add_cli_args(p)
+    add_engine_flags(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat; Ctrl-C stops a reply, Ctrl-D quits")
     p.add_argument("--system", default=None, help="system prompt")
-    EngineArgs.add_cli_args(p)
+    add_engine_flags(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -350,7 +351,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     try:
         from core.entrypoints.openai.args import add_server_args
     except ImportError:  # server not installed in this build
-        EngineArgs.add_cli_args(p)
+        add_engine_flags(p)
         return
     add_server_args(p)
 

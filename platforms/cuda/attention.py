@@ -82,7 +82,7 @@ class CudaPagedAttention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, decode_partition: int | None = None, ops=None):
         super().__init__(spec)
-        _check_spec(spec)
+        check_spec(spec)
         if decode_partition is not None and (decode_partition < 0 or decode_partition % 16):
             raise ValueError(
                 f"decode_partition {decode_partition} must be None, 0 (v1) or a positive "
@@ -254,7 +254,7 @@ def soft_capped_attention(
     return out
 
 
-def _check_spec(spec: AttentionSpec) -> None:
+def check_spec(spec: AttentionSpec) -> None:
     problems = []
     if spec.head_size not in SUPPORTED_HEAD_SIZES:
         problems.append(f"head size {spec.head_size} (supported: {SUPPORTED_HEAD_SIZES})")

@@ -11,9 +11,9 @@ Powers of two keep small batches cheap; the linear tail keeps the waste of a lar
 below ``step``. For sizes up to ``N`` there are at most ``log2(step) + 1 + N / step``
 buckets, so a warm-up pass can compile all of them ahead of time (see :meth:`values`).
 
-Three sizes are bucketed per group of sequences (prefills and decodes are separate groups):
-the number of sequences, the longest query (prefill tokens of one sequence; always 1 for
-decodes) and the blocks of context per sequence.
+The HPU platform's batch shaper (:mod:`core.batch_shape`) pads every step with this policy
+before upload: the rows (tokens) of the step, the sequences of each group (prefills and
+decodes are separate groups), the longest prefill query and the block-table width.
 """
 
 from __future__ import annotations
@@ -47,19 +47,25 @@ def _candidates(max_n: int, step: int) -> list[int]:
 
 @dataclass(frozen=True)
 class BucketPolicy:
-    """Bucket steps of one attention layer's padded batch.
+    """Bucket steps of a padded step (a :class:`core.batch_shape.ShapeBuckets`).
 
-    The defaults suit Gaudi with 128-token blocks: up to 32 sequences double, then grow by
-    32; prefill queries double up to 128 tokens, then grow by 128; context doubles up to
-    8 blocks (1,024 tokens), then grows by 8 blocks.
+    The defaults suit Gaudi with 128-token blocks: the rows of a step double up to 256,
+    then grow by 256; up to 32 sequences double, then grow by 32; prefill queries double up
+    to 128 tokens, then grow by 128; context doubles up to 8 blocks (1,024 tokens), then
+    grows by 8 blocks.
     """
 
+    token_step: int = 256
+    """Bucket step of the rows (tokens) of a step."""
     seq_step: int = 32
     """Bucket step of the number of sequences in a group."""
     query_step: int = 128
     """Bucket step of the longest prefill query (tokens)."""
     block_step: int = 8
     """Bucket step of the context length, in blocks."""
+
+    def pad_tokens(self, n: int) -> int:
+        return bucket(n, self.token_step)
 
     def pad_seqs(self, n: int) -> int:
         return bucket(n, self.seq_step)

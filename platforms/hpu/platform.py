@@ -26,8 +26,10 @@ from types import ModuleType
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
+from core.batch_shape import BatchShaper, BucketedBatchShaper
 from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
 from platforms.hpu.attention import HpuAttentionBackend
+from platforms.hpu.buckets import BucketPolicy
 
 EMULATE_ENV = "CORE_HPU_EMULATE"
 """Set to 1 to make the HPU platform selectable on a host without Gaudi: its ops then run
@@ -116,6 +118,11 @@ class HpuPlatform(Platform):
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
         return builtin_backend(self.name, requested, HpuAttentionBackend)
+
+    def batch_shaper(self, block_size: int) -> BatchShaper:
+        """Every step padded to :class:`~platforms.hpu.buckets.BucketPolicy` on the host, so
+        HPU graphs see a bounded set of shapes (the emulation too: same code path)."""
+        return BucketedBatchShaper(BucketPolicy(), block_size)
 
     # ---- distributed and runtime ----------------------------------------------------------
     def distributed_backend(self) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec
-from platforms.cuda.attention import CudaPagedAttention, _check_spec
+from platforms.cuda.attention import CudaPagedAttention, check_spec
 from platforms.rocm.build import load_ops
 
 
@@ -32,7 +32,7 @@ class RocmPagedAttention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, decode_partition: int | None = None, ops: Any = None):
         super().__init__(spec)
-        _check_spec(spec)  # before building the kernels: a refused layer costs no compile
+        check_spec(spec)  # before building the kernels: a refused layer costs no compile
         self._impl = CudaPagedAttention(
             spec, decode_partition, ops=ops if ops is not None else load_ops()
         )

@@ -11,56 +11,36 @@ torch compiles ``platforms.rocm._C`` (see setup.py), or a source checkout JIT-bu
 sources once with :func:`torch.utils.cpp_extension.load`. Either way the ops appear as
 ``torch.ops.core_C.*``, the namespace the CUDA attention backend calls.
 
-At import time this module needs only the standard library and two standard-library-only
-project modules (platforms.gpu_sources, platforms.jit_build): setup.py loads it by path,
-before the package is importable. It does nothing at import time.
+How the kernels are found, built and loaded is the CUDA platform's way too
+(:class:`platforms.gpu_toolchain.GpuToolchain`); this module holds ROCm's facts (:data:`HIPCC`)
+and the hipify step.
+
+At import time this module needs only the standard library and standard-library-only project
+modules (platforms.gpu_sources, platforms.gpu_toolchain, platforms.jit_build): setup.py loads
+it by path, before the package is importable. It does nothing at import time.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from platforms import jit_build
-from platforms.gpu_sources import CSRC_DIR, kernel_sources, source_files
+from platforms.gpu_sources import CSRC_DIR, kernel_sources
+from platforms.gpu_toolchain import OPS, GpuToolchain
 from platforms.jit_build import JitSpec
 
-logger = logging.getLogger(__name__)
+__all__ = ["CSRC_DIR", "HIPCC", "OPS", "check_offload_archs", "find_hipcc", "hipify_sources",
+           "jit_spec", "kernel_sources", "kernels_status", "load_ops"]
 
-PREBUILT_MODULE = "platforms.rocm._C"
-JIT_NAME = "core_C_hip"
 HIPCC_FLAGS = ("-O3",)
 """Added to torch's own hipcc flags (-DUSE_ROCM=1, -D__HIP_NO_HALF_CONVERSIONS__=1, ...)."""
 CXX_FLAGS = ("-O3",)
-OPS = ("reshape_and_cache", "paged_decode", "copy_blocks", "swap_blocks")
-"""Checked in the builder before a JIT build is cached."""
 DEFAULT_OFFLOAD_ARCHS = ("gfx90a", "gfx942")
 """What setup.py compiles for when PYTORCH_ROCM_ARCH is unset: MI200 and MI300 (CDNA)."""
 WAVE64_ARCH_PREFIX = "gfx9"
 """The kernels need 64-wide wavefronts; HIP offers them on gfx9 (GCN/CDNA) only."""
-
-
-def find_hipcc() -> str | None:
-    """Path of hipcc on PATH or in the default ROCm location, without running it."""
-    found = shutil.which("hipcc")
-    if found:
-        return found
-    default = Path("/opt/rocm/bin/hipcc")
-    return str(default) if default.exists() else None
-
-
-def has_prebuilt() -> bool:
-    """Whether ``pip install`` compiled the HIP extension (looked up, not imported)."""
-    try:
-        return importlib.util.find_spec(PREBUILT_MODULE) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def check_offload_archs(archs: Iterable[str]) -> tuple[str, ...]:
@@ -124,55 +104,15 @@ def hipify_sources(stage: Path, csrc: Path = CSRC_DIR) -> list[Path]:
     return out
 
 
-def kernels_status() -> tuple[bool, str]:
-    """(can the kernels be loaded here, how or why not). No compilation, no device init."""
-    if has_prebuilt():
-        return True, f"prebuilt extension {PREBUILT_MODULE}"
-    if not CSRC_DIR.is_dir():
-        return False, (
-            f"the kernels were not compiled at install time and their sources ({CSRC_DIR}) are "
-            "not here to JIT-build; reinstall with `pip install --no-build-isolation .[rocm]` "
-            "on a machine with ROCm (hipcc) and a ROCm build of torch"
-        )
-    hipcc = find_hipcc()
-    if hipcc is None:
-        return False, (
-            "no prebuilt core_C extension and no hipcc to JIT-build csrc/; install ROCm's "
-            "HIP SDK (hipcc) or `pip install --no-build-isolation .[rocm]` where it is present"
-        )
-    return True, f"JIT build of {CSRC_DIR} (hipified) with {hipcc} (cached after the first run)"
-
-
-@functools.cache
-def load_ops() -> Any:
-    """Register the ``core_C`` ops in this process (once) and return ``torch.ops.core_C``.
-
-    The JIT build targets the visible GPUs' architectures, or PYTORCH_ROCM_ARCH when set
-    (torch's rule); a 32-wide target stops the compile with the reason (cuda_compat.h).
-
-    :raises RuntimeError: when neither a prebuilt extension nor the sources plus hipcc exist.
-    """
-    import torch
-
-    if has_prebuilt():
-        importlib.import_module(PREBUILT_MODULE)
-        return torch.ops.core_C
-    ok, why = kernels_status()
-    if not ok:
-        raise RuntimeError(f"cannot load the ROCm kernels: {why}")
-    torch.ops.load_library(str(jit_build.build(jit_spec())))
-    return torch.ops.core_C
-
-
 def _hipify_in_place(src: Path) -> tuple[str, ...]:
-    """jit_build's ``prepare``: hipify the attempt's private copy of csrc/ where it lies."""
+    """The toolchain's ``prepare``: hipify the attempt's private copy of csrc/ where it lies."""
     src = src.resolve()  # hipify reports resolved paths
     return tuple(str(u.relative_to(src)) for u in hipify_sources(src, csrc=src))
 
 
 def _gpu_targets() -> str:
-    """The offload targets torch's build will use (PYTORCH_ROCM_ARCH, else the visible GPUs):
-    part of the cache key, so a cache shared across GPU models rebuilds per target."""
+    """The offload targets torch's build will use (PYTORCH_ROCM_ARCH, else the visible GPUs);
+    a 32-wide target stops the compile with the reason (cuda_compat.h)."""
     import torch
     from torch.utils import cpp_extension
 
@@ -183,18 +123,38 @@ def _gpu_targets() -> str:
     return f"hip {torch.version.hip}; " + " ".join(sorted(flags))
 
 
+HIPCC = GpuToolchain(
+    label="ROCm kernels",
+    compiler="hipcc",
+    default_compiler=Path("/opt/rocm/bin/hipcc"),
+    prebuilt_module="platforms.rocm._C",
+    jit_name="core_C_hip",
+    extra="rocm",
+    toolkit="ROCm's HIP SDK (hipcc) and a ROCm build of torch",
+    device_flags=HIPCC_FLAGS,
+    cxx_flags=CXX_FLAGS,
+    targets=_gpu_targets,
+    prepare=_hipify_in_place,
+)
+PREBUILT_MODULE = HIPCC.prebuilt_module
+JIT_NAME = HIPCC.jit_name
+
+
+def find_hipcc() -> str | None:
+    """Path of hipcc on PATH or in the default ROCm location, without running it."""
+    return HIPCC.find_compiler()
+
+
+def kernels_status() -> tuple[bool, str]:
+    """(can the kernels be loaded here, how or why not). No compilation, no device init."""
+    return HIPCC.kernels_status()
+
+
+def load_ops() -> Any:
+    """``torch.ops.core_C`` with the hipified kernels registered (built or loaded once)."""
+    return HIPCC.load_ops()
+
+
 def jit_spec() -> JitSpec:
     """The JIT build of csrc/, hipified in each attempt's own copy (never in csrc/)."""
-    return JitSpec(
-        name=JIT_NAME,
-        label="ROCm kernels",
-        src_dir=CSRC_DIR,
-        files=tuple(str(p.relative_to(CSRC_DIR)) for p in source_files()),
-        units=tuple(str(p.relative_to(CSRC_DIR)) for p in kernel_sources()),
-        cflags=CXX_FLAGS,
-        cuda_cflags=HIPCC_FLAGS,
-        machine_key=_gpu_targets(),
-        namespace="core_C",
-        ops=OPS,
-        prepare=_hipify_in_place,
-    )
+    return HIPCC.jit_spec()

@@ -1,10 +1,10 @@
 """The ROCm platform: AMD GPUs through a ROCm build of torch and the hipified csrc/ kernels.
 
-PyTorch's ROCm build exposes HIP devices as torch device type ``cuda`` (and its kernels
-under the CUDA dispatch key), and its ``torch.cuda`` calls drive HIP: memory, streams and
-graphs are HIP's. The platform is therefore the CUDA platform's subclass: it inherits the
-device facts, memory logic (KV budget, peak memory), decode graphs and runtime calls, and
-replaces the probe, the kernels, the attention backend and the fused ops.
+PyTorch's ROCm build exposes HIP devices as torch device type ``cuda`` and drives HIP through
+``torch.cuda``, so the device facts, memory logic (KV budget, peak memory), decode graphs and
+runtime calls are those of the shared GPU platform (:mod:`platforms.gpu_platform`), which the
+CUDA platform uses too. ROCm's own are the probe, the toolchain (hipify + hipcc,
+:data:`platforms.rocm.build.HIPCC`) and the attention backend.
 
 Nothing here touches the GPU at import time, and :meth:`RocmPlatform.probe` never
 initialises HIP: it reads torch's build info, the kernel driver's topology in sysfs, and
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from core.platform import ProbeResult
-from platforms.cuda.platform import CudaPlatform
+from platforms.gpu_platform import GpuPlatform
 from platforms.rocm.attention import RocmPagedAttention
-from platforms.rocm.build import WAVE64_ARCH_PREFIX, kernels_status, load_ops
+from platforms.rocm.build import HIPCC, WAVE64_ARCH_PREFIX
 
 PROBE_SCORE = 100
 """Score when usable: above the CPU platform's. A torch build is either CUDA or ROCm, so this
@@ -122,14 +122,13 @@ def probe_result(
     )
 
 
-class RocmPlatform(CudaPlatform):
-    """The CUDA platform over a ROCm torch: device facts, memory, graphs and runtime calls
-    are inherited (torch.cuda drives HIP there); the probe, the kernels (hipified csrc),
-    the attention backend and the status are ROCm's own."""
+class RocmPlatform(GpuPlatform):
+    """AMD GPUs (CDNA): the shared GPU platform with the hipified csrc/ kernels."""
 
     name = "rocm"
     verification = "never run"  # compiled for gfx90a with hipcc only: docs/platforms.md
     device_visibility_env = "HIP_VISIBLE_DEVICES"
+    toolchain = HIPCC
     paged_attention = RocmPagedAttention
 
     @classmethod
@@ -138,23 +137,15 @@ class RocmPlatform(CudaPlatform):
         if not hip:
             return probe_result(hip, [], 0, (False, ""))
         archs = kfd_gpu_archs()
-        return probe_result(hip, archs, visible_gpu_count(archs), kernels_status())
+        return probe_result(hip, archs, visible_gpu_count(archs), cls.toolchain.kernels_status())
 
     def ops(self) -> dict[str, Any]:
-        """None: the fused element-wise kernels load through the CUDA build, and their
-        hipified twins have never run, so ROCm keeps core's torch ops."""
+        """None: the hipified twins of the fused element-wise kernels have never run, so
+        ROCm keeps core's torch ops."""
         return {}
 
     @classmethod
     def quantization_methods(cls) -> dict[str, Any]:
         # The CUDA platform's quantized kernels are not built or checked for HIP (its fp8
         # is e4m3fnuz on MI300): quantized checkpoints load dequantized here.
-        return dict.fromkeys(CudaPlatform.quantization_methods())
-
-    def distributed_backend(self) -> str:
-        return "nccl"  # RCCL, under torch's nccl name on ROCm builds
-
-    def get_extension(self, name: str) -> Any:
-        """``"core_C"``: the ``torch.ops.core_C`` namespace (hipifies and builds, or loads,
-        the kernels)."""
-        return load_ops() if name == "core_C" else None
+        return dict.fromkeys(("fp8", "compressed-tensors", "awq", "gptq", "gguf"))

@@ -1,12 +1,14 @@
-"""TPU attention for torch-xla: bucketed static shapes, Pallas paged decode on a real TPU.
+"""TPU attention for torch-xla: static shapes throughout, Pallas paged decode on a real TPU.
 
 KV layout: ``[2, num_kv_heads, num_blocks, block_size, head_size]`` (keys then values), so
 ``kv_cache[0]`` is the ``[kv_heads, pages, page_size, head]`` page array that the Pallas
 paged-attention kernel reads.
 
-The core builds metadata with exact sizes; this backend re-lays every step's attention
-inputs into the buckets of :mod:`platforms.tpu.buckets` (host-built index tensors, so only
-their bucketed shapes reach XLA). Paths:
+The runner pads every step to the TPU's buckets before it reaches the device (the
+platform's batch shaper, :mod:`core.batch_shape`), so this backend receives bucketed
+metadata and builds every index it needs on the device from it
+(:func:`core.batch_shape.rows_of_groups`): no host data, no shape taken from the batch.
+Paths:
 
 * prefill (with or without cached context): XLA gather path — gather each sequence's
   blocks, one masked softmax over ``[seqs, kv_heads, group, query, keys]``;
@@ -15,8 +17,6 @@ their bucketed shapes reach XLA). Paths:
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ from core.attention import (
     index_copy_blocks,
     index_swap_blocks,
 )
-from platforms.tpu.buckets import BucketPolicy, DecodePlan, PrefillPlan
+from core.batch_shape import GroupRows, rows_of_groups, scatter_groups
 
 PALLAS_HEAD_MULTIPLE = 128
 """Pallas paged attention tiles the head dimension by the TPU lane width."""
@@ -41,17 +41,8 @@ def _xla_views():
     return torch.inference_mode(False)
 
 
-def _int_tensor(data: Any, device: torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=torch.int32).to(device)
-
-
-def _long_tensor(data: Any, device: torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=torch.int64).to(device)
-
-
 class TpuAttentionBackend(AttentionBackend):
     name = "xla_paged"
-    policy = BucketPolicy()
 
     pallas = False
     """Decode through the Pallas kernel when the layer shape fits it (TPU only)."""
@@ -103,20 +94,10 @@ class TpuAttentionBackend(AttentionBackend):
             return self._attention(query, kv_cache, metadata)
 
     def _attention(self, query, kv_cache, md: AttentionMetadata) -> torch.Tensor:
-        seq = md.seq_lens_host or tuple(md.seq_lens.tolist())
-        ctx = md.context_lens_host or tuple(md.context_lens.tolist())
-        tables = md.block_tables.cpu().tolist()  # device data only: a copy, not a compile
-        bs = kv_cache.shape[3]
-        p, n_pre = md.num_prefills, md.num_prefill_tokens
-        parts = []
-        if p:
-            qlens = [s - c for s, c in zip(seq[:p], ctx[:p])]
-            plan = self.policy.plan_prefill(qlens, list(ctx[:p]), tables[:p], bs)
-            parts.append(self._prefill(query[:n_pre], kv_cache, plan))
-        if md.num_decode_tokens:
-            plan = self.policy.plan_decode(list(seq[p:]), tables[p:], bs)
-            parts.append(self._decode(query[n_pre:], kv_cache, plan))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = rows_of_groups(md, query.shape[0])
+        pre = self._prefill(query, kv_cache, md, rows) if md.num_prefills else None
+        dec = self._decode(query, kv_cache, md, rows) if md.num_decode_tokens else None
+        return scatter_groups(rows, md.num_prefills, pre, dec)
 
     def _gather_context(self, kv_cache, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Keys/values of each row's blocks: two [kv_heads, seqs, blocks * block, head]."""
@@ -144,29 +125,29 @@ class TpuAttentionBackend(AttentionBackend):
             allowed &= kpos > qpos.unsqueeze(-1) - self.spec.sliding_window
         return allowed
 
-    def _prefill(self, query, kv_cache, plan: PrefillPlan) -> torch.Tensor:
-        dev = query.device
-        s, r = plan.num_seqs, plan.query_len
-        q = query.index_select(0, _long_tensor(plan.gather_rows, dev)).view(s, r, *query.shape[1:])
-        k, v = self._gather_context(kv_cache, _long_tensor(plan.block_table, dev))
-        qpos = _long_tensor(plan.positions, dev).view(s, r)
-        out = self._attend(q, k, v, self._mask(qpos, k.shape[2]))
-        out = out.view(s * r, *query.shape[1:])
-        return out.index_select(0, _long_tensor(plan.scatter_rows, dev)).to(query.dtype)
+    def _prefill(self, query, kv_cache, md: AttentionMetadata, rows: GroupRows) -> torch.Tensor:
+        """The prefills as ``[seqs, query rows]`` padded queries -> [seqs, rows, H, D]."""
+        s, r = rows.prefill_rows.shape
+        q = query.index_select(0, rows.prefill_rows.reshape(-1)).view(s, r, *query.shape[1:])
+        k, v = self._gather_context(kv_cache, md.block_tables[:s].long())
+        allowed = self._mask(rows.prefill_positions, k.shape[2])
+        # A padding row reads key 0 only (a finite softmax); its output is dropped.
+        first = torch.arange(k.shape[2], device=q.device) == 0
+        allowed = torch.where(rows.prefill_valid.unsqueeze(-1), allowed, first)
+        return self._attend(q, k, v, allowed).to(query.dtype)
 
-    def _decode(self, query, kv_cache, plan: DecodePlan) -> torch.Tensor:
-        dev = query.device
-        q = query.index_select(0, _long_tensor(plan.gather_rows, dev))  # [S, H, D]
-        lengths = _int_tensor(plan.lengths, dev)
+    def _decode(self, query, kv_cache, md: AttentionMetadata, rows: GroupRows) -> torch.Tensor:
+        """One row per decode -> [seqs, H, D] (padding decodes read block 0 at length 1)."""
+        p = md.num_prefills
+        q = query.index_select(0, rows.decode_rows)  # [S, H, D]
+        lengths, table = md.seq_lens[p:], md.block_tables[p:]
         if self.use_pallas:
-            out = self._pallas_decode(q, kv_cache, lengths, _int_tensor(plan.block_table, dev))
+            out = self._pallas_decode(q, kv_cache, lengths.int(), table.int())
         else:
-            k, v = self._gather_context(kv_cache, _long_tensor(plan.block_table, dev))
-            out = self._attend(
-                q.unsqueeze(1), k, v, self._mask(lengths.long() - 1, k.shape[2])[:, None]
-            )
-            out = out.squeeze(1)
-        return out[: query.shape[0]].to(query.dtype)
+            k, v = self._gather_context(kv_cache, table.long())
+            allowed = self._mask(lengths.long() - 1, k.shape[2])[:, None]
+            out = self._attend(q.unsqueeze(1), k, v, allowed).squeeze(1)
+        return out.to(query.dtype)
 
     def _pallas_decode(self, q, kv_cache, lengths, table) -> torch.Tensor:
         """Pallas paged attention (TPU only). The kernel has no scale argument, so the query

@@ -1,4 +1,5 @@
-"""The TPU platform: torch-xla with bucketed static shapes (see :mod:`platforms.tpu.buckets`).
+"""The TPU platform: torch-xla with bucketed static shapes (the batch shaper of
+:mod:`core.batch_shape` with the buckets of :mod:`platforms.tpu.buckets`).
 
 Probe policy (side-effect free: torch_xla is located with ``find_spec``, never imported,
 and TPU chips are found by their device files, without starting the XLA runtime):
@@ -27,11 +28,20 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
+from core.batch_shape import BatchShaper, BucketedBatchShaper
 from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
 from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
+from platforms.tpu.buckets import TpuBuckets
 
 TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 """Where a TPU VM exposes its chips (v2-v5e: accel, v5p and later: vfio)."""
+
+
+def _cut_graph() -> None:
+    """Launch what is traced so far as one program (without waiting for it)."""
+    import torch_xla
+
+    torch_xla.sync()
 
 
 def tpu_chip_files() -> list[str]:
@@ -113,6 +123,13 @@ class TpuPlatform(Platform):
             self.name, requested, default, PallasTpuAttentionBackend, TpuAttentionBackend
         )
 
+    def batch_shaper(self, block_size: int) -> BatchShaper:
+        """Every step padded to :class:`~platforms.tpu.buckets.TpuBuckets` on the host, so
+        XLA compiles one program per bucketed shape, not one per batch. Before each step,
+        the work the previous one left queued (sampling bookkeeping) is cut into its own
+        program, so it never changes the step's."""
+        return BucketedBatchShaper(TpuBuckets(), block_size, before_step=_cut_graph)
+
     # ---- distributed and runtime ---------------------------------------------------------
     def distributed_backend(self) -> str:
         # registered with torch.distributed by torch_xla.distributed.xla_backend
@@ -133,9 +150,7 @@ class TpuPlatform(Platform):
 
     def step_boundary(self) -> None:
         """Cut the step's traced graph and launch it (compiled once per bucketed shape)."""
-        import torch_xla
-
-        torch_xla.sync()
+        _cut_graph()
 
     def seed_everything(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.attention import AttentionMetadata, AttentionSpec, reference_attention
+from core.attention import AttentionSpec, build_metadata, reference_attention
 from tests.cuda.kv_helpers import TOLERANCE, poisoned_cache, rel_error, slots_for, write_tokens
 
 pytestmark = [
@@ -44,21 +44,8 @@ def build_batch(spec, seqs, gen, num_blocks=400):
     num_prefills = sum(1 for c, n in seqs if n > 1 or c == 0)
     q_lens = [n for _, n in seqs]
     query = torch.cat(q)
-    md = AttentionMetadata(
-        num_prefills=num_prefills,
-        num_prefill_tokens=sum(q_lens[:num_prefills]),
-        num_decode_tokens=len(seqs) - num_prefills,
-        slot_mapping=torch.cat(slots).cuda(),
-        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device="cuda"),
-        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device="cuda"),
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                     dtype=torch.int32, device="cuda"),
-        block_tables=tables.cuda(),
-        max_query_len=max(q_lens),
-        max_seq_len=max(c + n for c, n in seqs),
-        seq_lens_host=tuple(c + n for c, n in seqs),
-        context_lens_host=tuple(c for c, _ in seqs),
-    )
+    md = build_metadata(q_lens, [c for c, _ in seqs], tables.numpy(), bs,
+                        num_prefills=num_prefills, device="cuda", slot_mapping=torch.cat(slots).numpy())
     ref = reference_attention(query, keys, values, q_lens, spec.softmax_scale, spec.sliding_window,
                               spec.logits_soft_cap)
     return query.cuda(), torch.cat(k_new).cuda(), torch.cat(v_new).cuda(), cache, md, ref

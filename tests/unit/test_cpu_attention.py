@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.attention import AttentionMetadata, AttentionSpec, reference_attention
+from core.attention import AttentionSpec, build_metadata, reference_attention
 from core.conformance.harness import PagedCase, make_spec, mismatch, seeded
 from platforms.cpu.attention import CpuAttentionBackend
 from platforms.cpu.platform import CpuPlatform
@@ -40,18 +40,8 @@ def test_hand_built_prefill_and_decode(window: int | None) -> None:
         cache[0, block, off], cache[1, block, off] = b_keys[pos], b_values[pos]
     a_keys, a_values = torch.randn(5, KVH, D, generator=g), torch.randn(5, KVH, D, generator=g)
     query = torch.randn(6, H, D, generator=g)
-    md = AttentionMetadata(
-        num_prefills=1,
-        num_prefill_tokens=5,
-        num_decode_tokens=1,
-        slot_mapping=torch.tensor([*(_slot([3, 1][p // BS], p % BS) for p in range(5)), _slot(5, 2)]),
-        seq_lens=torch.tensor([5, 7], dtype=torch.int32),
-        context_lens=torch.tensor([0, 6], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32),
-        block_tables=torch.tensor([[3, 1, 0], [2, 5, 0]], dtype=torch.int32),
-        max_query_len=5,
-        max_seq_len=7,
-    )
+    md = build_metadata([5, 1], [0, 6], [[3, 1, 0], [2, 5, 0]], BS, num_prefills=1)
+    assert md.slot_mapping.tolist() == [*(_slot([3, 1][p // BS], p % BS) for p in range(5)), _slot(5, 2)]
     key = torch.cat([a_keys, b_keys[6:]])
     value = torch.cat([a_values, b_values[6:]])
     out = backend.forward(query, key, value, cache, md)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core import ops as reference
-from core.attention import AttentionMetadata, AttentionSpec, reference_attention
+from core.attention import AttentionSpec, build_metadata, reference_attention
 from platforms.cpu.attention import CpuAttentionBackend, CpuPagedAttentionBackend
 from platforms.cpu.kernels import load_kernels
 from platforms.cpu.ops import CpuOps
@@ -115,13 +115,8 @@ def test_paged_decode_matches_naive_reference(heads, kv_heads, d, dtype, window)
     bs, lens = 16, [1, 17, 64, 150, 5]
     cache, tables, query, keys, values = _decode_case(11, heads, kv_heads, d, bs, lens, dtype)
     spec = AttentionSpec(heads, kv_heads, d, dtype, bs, sliding_window=window)
-    md = AttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=len(lens),
-        slot_mapping=torch.full((len(lens),), -1), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor(lens, dtype=torch.int32) - 1,
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), block_tables=tables,
-        max_query_len=1, max_seq_len=max(lens),
-    )
+    md = build_metadata([1] * len(lens), [n - 1 for n in lens], tables.numpy(), bs, num_prefills=0,
+                        slot_mapping=[-1] * len(lens))  # the keys are in the cache already
     out = torch.empty_like(query)
     CpuPagedAttentionBackend(spec)._decode_into(out, query, cache, md)
     want = reference_attention(query, keys, values, [1] * len(lens), spec.softmax_scale, window)
@@ -142,16 +137,8 @@ def test_prompts_through_the_kernel_match_naive_reference(heads, kv_heads, d, dt
     new = [n - c for n, c in zip(lens, cached)]
     query = torch.randn(sum(new), heads, d, generator=torch.Generator().manual_seed(18)).to(dtype)
     spec = AttentionSpec(heads, kv_heads, d, dtype, bs, sliding_window=window)
-    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    slots = torch.tensor(  # where each new token's key already sits (forward writes first)
-        [int(tables[i, p // bs]) * bs + p % bs for i in range(len(lens)) for p in range(cached[i], lens[i])]
-    )
-    md = AttentionMetadata(
-        num_prefills=len(lens), num_prefill_tokens=sum(new), num_decode_tokens=0,
-        slot_mapping=slots, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor(cached, dtype=torch.int32), query_start_loc=qsl,
-        block_tables=tables, max_query_len=max(new), max_seq_len=max(lens),
-    )
+    # slots: where each new token's key already sits (forward writes first)
+    md = build_metadata(new, cached, tables.numpy(), bs, num_prefills=len(lens))
     out = torch.full_like(query, float("nan"))
     CpuPagedAttentionBackend(spec)._prefill(query, None, None, cache, md, out)
     want = reference_attention(query, keys, values, new, spec.softmax_scale, window)
@@ -166,12 +153,7 @@ def test_trailing_padding_rows_of_a_prompt_stay_in_bounds() -> None:
     cache, tables, _, keys, values = _decode_case(19, 4, 2, 64, bs, [n], torch.float32)
     query = torch.randn(n + pad, 4, 64, generator=torch.Generator().manual_seed(20))
     slots = torch.tensor([int(tables[0, p // bs]) * bs + p % bs for p in range(n)] + [-1] * pad)
-    md = AttentionMetadata(
-        num_prefills=1, num_prefill_tokens=n + pad, num_decode_tokens=0, slot_mapping=slots,
-        seq_lens=torch.tensor([n + pad], dtype=torch.int32), context_lens=torch.tensor([0], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n + pad], dtype=torch.int32), block_tables=tables,
-        max_query_len=n + pad, max_seq_len=n + pad,
-    )
+    md = build_metadata([n + pad], [0], tables.numpy(), bs, num_prefills=1, slot_mapping=slots)
     out = torch.full_like(query, float("nan"))
     CpuPagedAttentionBackend(AttentionSpec(4, 2, 64, torch.float32, bs))._prefill(query, None, None, cache, md, out)
     want = reference_attention(query[:n], keys, values, [n], 1 / 8)

@@ -15,7 +15,7 @@ from core.attention import AttentionSpec
 from platforms.cuda.attention import (
     MIN_PARTITION_TOKENS,
     CudaPagedAttention,
-    _check_spec,
+    check_spec,
     choose_decode_partition,
     head_tiles,
 )
@@ -98,7 +98,7 @@ def test_unsupported_spec_is_explained():
     spec = AttentionSpec(num_heads=6, num_kv_heads=4, head_size=96, dtype=torch.float64,
                          block_size=8)
     with pytest.raises(ValueError) as err:
-        _check_spec(spec)
+        check_spec(spec)
     msg = str(err.value)
     for part in ("head size 96", "block size 8", "torch.float64", "6 query heads over 4"):
         assert part in msg

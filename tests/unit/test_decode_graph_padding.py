@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from core.attention import AttentionMetadata
+from core.attention import AttentionMetadata, build_metadata
 from core.engine import LLMEngine, resolve_config
 from core.engine_args import EngineArgs
 from core.platform import Capability, DecodeGraphSpec
@@ -41,20 +41,9 @@ def test_buckets_cover_every_batch_size_with_little_padding():
 
 
 def _decode_md(seq_lens: list[int], width: int, gen: torch.Generator) -> AttentionMetadata:
-    n = len(seq_lens)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return AttentionMetadata(
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decode_tokens=n,
-        slot_mapping=torch.randint(0, 1000, (n,), generator=gen),
-        seq_lens=lens,
-        context_lens=lens - 1,
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-        block_tables=torch.randint(1, 50, (n, width), generator=gen, dtype=torch.int32),
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-    )
+    tables = torch.randint(1, 50, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    return build_metadata([1] * len(seq_lens), [n - 1 for n in seq_lens], tables.numpy(), 16,
+                          num_prefills=0, slot_mapping=torch.randint(0, 1000, (len(seq_lens),), generator=gen))
 
 
 def test_static_inputs_hold_the_step_then_padding_even_after_a_larger_step():

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from core.batch_shape import BucketedBatchShaper
 from core.conformance.harness import PagedCase, make_spec, seeded
 from platforms.hpu.buckets import BucketPolicy, bucket, bucket_values
 from platforms.hpu.platform import HpuPlatform
@@ -84,7 +85,7 @@ def test_decode_and_prefill_shapes_are_bucketed() -> None:
     spec = make_spec(torch.float32, 16, "gqa")
     kvh, group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
     case = PagedCase(HpuPlatform(), spec, 400, seeded("hpu-buckets"))
-    case.backend.policy = policy
+    case.shaper = BucketedBatchShaper(policy, spec.block_size)  # the runner's, smaller steps
     rng = random.Random(0)
     recorder = _BmmShapes()
     steps = 0

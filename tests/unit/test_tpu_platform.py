@@ -1,7 +1,7 @@
 """The TPU platform: import hygiene and probe everywhere; the XLA backend against the
-float64 reference, and the no-recompile guarantee of steady-state decoding, where
-torch-xla is installed (tests/envs/tpu.sh builds that environment and runs XLA on the
-CPU with PJRT_DEVICE=CPU)."""
+float64 reference, and the whole engine compiling once per bucketed shape, where torch-xla
+is installed (tests/envs/tpu.sh builds that environment and runs XLA on the CPU with
+PJRT_DEVICE=CPU)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import platforms.tpu
+from core.batch_shape import BucketedBatchShaper
 from core.conformance.harness import SENTINEL, PagedCase, make_spec, mismatch, seeded
 from core.platform import Capability
 from core.plugins import Plugins
@@ -151,30 +152,65 @@ def test_write_kv_skips_padding_slots(platform):
     assert torch.equal(case.cache.cpu(), cache)
 
 
-def test_steady_state_decoding_does_not_recompile(platform, metrics):
-    """Decode steps at a fixed bucket compile nothing new; crossing a bucket does."""
-    spec = make_spec(torch.float32, 16)
-    case = PagedCase(platform, spec, 24, seeded("tpu steady"))
-    # the longest context grows from 3 to 4 blocks of 16 (an exact-width gather would
-    # change shape there) but stays in block bucket 4 until it passes 64 tokens
-    contexts = (20, 30, 36)
-    seqs = [case.new_seq(66) for _ in contexts]
-    for s, n in zip(seqs, contexts):
-        case.write(s, n)
-    platform.synchronize()
-    compiles = []
-    while max(s.cached for s in seqs) < 64:  # this step's longest context stays <= 64
-        result = case.step([], seqs, label=f"decode at {[s.cached for s in seqs]}")
-        platform.synchronize()  # the step boundary the engine marks
-        assert mismatch(result, torch.float32) is None
-        compiles.append(metrics.counter_value("UncachedCompile"))
-    assert len(compiles) >= 10
-    warm = compiles[2]  # the first steps compile the decode graph and the cache update
-    assert compiles[2:] == [warm] * (len(compiles) - 2), f"recompiled: {compiles}"
-    result = case.step([], seqs, label="decode past the bucket")  # context 65: 5 blocks
-    platform.synchronize()
-    assert mismatch(result, torch.float32) is None
-    assert metrics.counter_value("UncachedCompile") > warm  # the counter does see new shapes
+class _StepCompiles:
+    """Per engine step: the shaped step's sizes and the XLA compilations of its program.
+
+    The shaper is the runner's, so the key is what the step really looked like on the
+    device; the step boundary is where torch-xla compiles the step's traced program."""
+
+    def __init__(self, metrics):
+        self.metrics, self.keys, self.compiles, self.real_rows = metrics, [], [], []
+
+    def wrap(self, monkeypatch) -> None:
+        shape, boundary = BucketedBatchShaper.shape, TpuPlatform.step_boundary
+
+        def recording_shape(shaper, step):
+            shaped = shape(shaper, step)
+            self.real_rows.append((len(step.input_ids), step.num_prefills, len(step.query_lens)))
+            self.keys.append((len(shaped.input_ids), shaped.num_prefills, shaped.max_query_len,
+                              len(shaped.query_lens) - shaped.num_prefills,
+                              shaped.block_tables.shape[1]))
+            return shaped
+
+        def recording_boundary(platform):
+            before = self.metrics.counter_value("UncachedCompile") or 0
+            boundary(platform)
+            self.compiles.append((self.metrics.counter_value("UncachedCompile") or 0) - before)
+
+        monkeypatch.setattr(BucketedBatchShaper, "shape", recording_shape)
+        monkeypatch.setattr(TpuPlatform, "step_boundary", recording_boundary)
+
+
+def test_engine_steps_compile_once_per_bucket(platform, metrics, tmp_path, monkeypatch):
+    """The whole engine on XLA: prompts of many lengths, chunked, then decoding, so the
+    batch's token count changes from step to step; each step's program compiles the first
+    time its bucketed shape is seen and never again (torch-xla's UncachedCompile), and
+    the greedy tokens are the CPU platform's."""
+    import core
+    from core.conformance.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "tiny")
+    lengths = (5, 23, 41, 12, 60, 9, 30, 2, 17)
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in enumerate(lengths)]
+    args = dict(model=str(model), dtype="float32", seed=0, max_model_len=128, max_num_seqs=4,
+                max_num_batched_tokens=24, kv_cache_memory=8 << 20)
+    params = core.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cpu = core.LLM(platform="cpu", **args).generate(prompts, params, use_tqdm=False)
+    steps = _StepCompiles(metrics)
+    steps.wrap(monkeypatch)
+    tpu = core.LLM(platform="tpu", **args).generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in tpu] == [list(o.outputs[0].token_ids) for o in cpu]
+    assert len(steps.keys) == len(steps.compiles) > 20
+    table = "\n".join(f"  step {i}: (rows, prefills, seqs) {r} -> shaped {k}: {c} compiled"
+                      for i, (r, k, c) in enumerate(zip(steps.real_rows, steps.keys, steps.compiles)))
+    assert len(set(steps.real_rows)) > len(set(steps.keys)), f"too little variety:\n{table}"
+    seen, again = set(), []
+    for i, (key, compiled) in enumerate(zip(steps.keys, steps.compiles)):
+        if key in seen and compiled:
+            again.append(i)
+        seen.add(key)
+    assert not again, f"steps {again} recompiled a shape seen before:\n{table}"
+    assert sum(steps.compiles) <= len(seen), f"more compilations than shapes:\n{table}"
 
 
 def test_copy_and_swap_blocks_move_whole_blocks(platform):

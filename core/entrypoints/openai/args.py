@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.engine_args import EngineArgs
+from core.entrypoints.engine_flags import add_engine_flags
 from core.entrypoints.openai.generation_config import FILE_NAME, OFF
 from core.entrypoints.openai.served import ServedModel
 from core.pooling import POOLING_TYPES
@@ -201,4 +201,4 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="seconds a request has to send its body once the headers arrived (then 408)")
     lim.add_argument("--max-header-bytes", type=int, default=ServerArgs.max_header_bytes,
                      help="largest request line plus headers in bytes")
-    EngineArgs.add_cli_args(parser)
+    add_engine_flags(parser)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from core_acme.attention import QUERY_TILE, AcmeAttentionBackend
 
-from core.attention import AttentionMetadata, AttentionSpec, reference_attention
+from core.attention import AttentionSpec, build_metadata, reference_attention
 
 
 def spec(block_size=32, heads=8, kv_heads=2, head=64, dtype=torch.float32, window=None):
@@ -83,23 +83,10 @@ def _run_step(s: AttentionSpec, chunks, num_prefills: int, seed=0, num_blocks=40
         tables.append(table)
         slots += seq_slots[ctx:]
         q_rows.append(torch.randn(new, s.num_heads, s.head_size, generator=g).to(s.dtype))
-    width = max(map(len, tables)) + 2
-    lens = [c + n for c, n in chunks]
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
-    md = AttentionMetadata(
-        num_prefills=num_prefills,
-        num_prefill_tokens=starts[num_prefills],
-        num_decode_tokens=len(chunks) - num_prefills,
-        slot_mapping=torch.tensor(slots),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor([c for c, _ in chunks], dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(n for _, n in chunks),
-        max_seq_len=max(lens),
-    )
+    width = max(map(len, tables)) + 2  # unused null columns, as a runner pads
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    md = build_metadata([n for _, n in chunks], [c for c, _ in chunks], padded, s.block_size,
+                        num_prefills=num_prefills, slot_mapping=slots)
     q = torch.cat(q_rows)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(keys, chunks)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(values, chunks)])

@@ -125,3 +125,31 @@ def test_core_serve_command(tiny_model, cpu_outputs, tmp_path):
         code = proc.wait(timeout=60)
     assert code == 0, log.read_text()[-4000:]
     assert "platform acme" in log.read_text()
+
+
+def test_every_step_reaches_the_npu_in_its_bucketed_shapes(emulated, tiny_model, cpu_outputs, monkeypatch):
+    """Through the engine (chunked prompts, then decoding): every metadata the attention
+    backend receives has bucketed sizes (padded steps, tokens still the CPU's)."""
+    from core_acme.attention import AcmeAttentionBackend
+    from core_acme.buckets import AcmeBuckets
+
+    from core.batch_shape import shape_key
+
+    seen = []
+    forward = AcmeAttentionBackend.forward
+
+    def recording(self, query, key, value, kv_cache, md):
+        seen.append((shape_key(md), md.num_tokens))
+        return forward(self, query, key, value, kv_cache, md)
+
+    monkeypatch.setattr(AcmeAttentionBackend, "forward", recording)
+    llm = core.LLM(model=str(tiny_model), platform="acme", max_num_batched_tokens=48,
+                   kv_cache_memory="8MiB", **COMMON)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(cpu_outputs)
+    b = AcmeBuckets()
+    for (rows, prefills, query, decodes, width), real in seen:
+        assert rows == b.pad_tokens(rows) and rows >= real
+        assert all(n == 0 or n == b.pad_seqs(n) for n in (prefills, decodes))
+        assert query == (b.pad_query(query) if prefills else 1)
+        assert width == b.pad_blocks(width)
+    assert any(key[0] > real for key, real in seen)  # steps really were padded

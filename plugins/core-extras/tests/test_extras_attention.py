@@ -15,7 +15,7 @@ from core_extras.naive_attention import NaiveCpuAttentionBackend
 from extras_testkit import engine_kv_caches
 
 import core
-from core.attention import AttentionMetadata, AttentionSpec, reference_attention
+from core.attention import AttentionSpec, build_metadata, reference_attention
 
 
 def test_write_kv_layout_and_padding():
@@ -53,14 +53,8 @@ def test_mixed_batch_matches_the_reference(heads, kv_heads, block_size, window):
         queries.append(torch.randn(new, heads, 32, generator=g))
         tables.append(table + [0] * (6 - len(table)))
         new_slots += slots[ctx:]
-    lens = [c + n for c, n in chunks]
-    md = AttentionMetadata(
-        num_prefills=2, num_prefill_tokens=53, num_decode_tokens=2,
-        slot_mapping=torch.tensor(new_slots), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        context_lens=torch.tensor([c for c, _ in chunks], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 40, 53, 54, 55], dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32), max_query_len=40, max_seq_len=49,
-    )
+    md = build_metadata([n for _, n in chunks], [c for c, _ in chunks], tables, block_size,
+                        num_prefills=2, slot_mapping=new_slots)
     q = torch.cat(queries)
     out = backend.forward(q, torch.cat([k[c:] for k, (c, _) in zip(keys, chunks)]),
                           torch.cat([v[c:] for v, (c, _) in zip(values, chunks)]), cache, md)

@@ -5,7 +5,9 @@ needs a C++ backend (PrivateUse1), which an emulation has no reason to build. So
 live on ``torch.device("cpu")`` and :attr:`AcmePlatform.verification` says "emulated".
 Everything else is the NPU's own: its KV layout and kernels
 (:mod:`core_acme.attention`), its block sizes (32, 64), its dtypes (no float16 units),
-its simulated device memory (``ACME_NPU_MEMORY``, default 2 GiB) and its config checks.
+its simulated device memory (``ACME_NPU_MEMORY``, default 2 GiB), its config checks and
+its static step shapes (:mod:`core_acme.buckets`: the NPU compiles a program per shape, so
+the platform returns a batch shaper and every step arrives padded).
 
 Selection: the probe scores 0 ("no Acme NPU here") unless ``ACME_NPU_EMULATE=1``; then
 it scores :data:`EMULATED_SCORE`, above the CPU platform's 1, so an opted-in host picks
@@ -21,10 +23,12 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
+from core.batch_shape import BatchShaper, BucketedBatchShaper
 from core.config import EngineConfig
 from core.platform import Capability, Platform, ProbeResult, host_memory
 from core_acme import envs
 from core_acme.attention import BLOCK_SIZES, DTYPES, AcmeAttentionBackend
+from core_acme.buckets import AcmeBuckets
 
 EMULATED_SCORE = 10
 FIRMWARE_RESERVED = 64 << 20
@@ -110,6 +114,12 @@ class AcmePlatform(Platform):
                 kv_layout="[blocks, 2, kv_heads, head*block]: keys [head, block], values [block, head]",
             )
         return None
+
+    # ---- static shapes ------------------------------------------------------------------
+    def batch_shaper(self, block_size: int) -> BatchShaper:
+        """core's bucketed shaper with the NPU's buckets: the runner pads every step on
+        the host, so the backend only ever sees shapes the NPU has a program for."""
+        return BucketedBatchShaper(AcmeBuckets(), block_size)
 
     # ---- memory planning --------------------------------------------------------------
     def kv_cache_budget(

@@ -1,10 +1,11 @@
 """Prompt attention of one layer on CPU: ``cpu_sdpa``'s SDPA path against ``cpu_paged``'s
 kernel path, on the same cache (SmolLM2's shape: 9 heads, 3 kv heads, head size 64).
 
-    python -m core.benchmarks.cpu_prompt_attention [--threads N] [--repeats 3]
+    python -m platforms.cpu.prompt_attention_bench [--threads N] [--repeats 3]
 
 Prints, per dtype and batch shape (prompts x new tokens over cached context), the median
-time of each path and the largest difference between their outputs.
+time of each path and the largest difference between their outputs. It lives beside the
+CPU platform because it times the backends' internal prompt path (``_prefill``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from core.attention import AttentionMetadata, AttentionSpec
+from core.attention import AttentionSpec, build_metadata
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
 SHAPES = [(32, 128, 0), (2, 1024, 0), (1, 4096, 0), (45, 24, 992), (4, 128, 1000), (1, 2048, 2048)]
@@ -29,25 +30,10 @@ def _case(dtype: torch.dtype, seqs: int, new: int, cached: int):
     cache = torch.randn(2, seqs * blocks + 1, BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
     tables = torch.arange(1, seqs * blocks + 1, dtype=torch.int32).view(seqs, blocks)
     query = torch.randn(seqs * new, HEADS, HEAD_SIZE, generator=g).to(dtype)
-    pos = torch.arange(cached, total)
-    slots = torch.cat([tables[i, pos // BLOCK].long() * BLOCK + pos % BLOCK for i in range(seqs)])
+    md = build_metadata([new] * seqs, [cached] * seqs, tables.numpy(), BLOCK, num_prefills=seqs)
     flat = cache.view(2, -1, KV_HEADS, HEAD_SIZE)
     # The new tokens' keys and values as the cache holds them (forward writes, then attends).
-    key, value = flat[0, slots].clone(), flat[1, slots].clone()
-    md = AttentionMetadata(
-        num_prefills=seqs,
-        num_prefill_tokens=seqs * new,
-        num_decode_tokens=0,
-        slot_mapping=slots,
-        seq_lens=torch.full((seqs,), total, dtype=torch.int32),
-        context_lens=torch.full((seqs,), cached, dtype=torch.int32),
-        query_start_loc=torch.arange(0, seqs + 1, dtype=torch.int32) * new,
-        block_tables=tables,
-        max_query_len=new,
-        max_seq_len=total,
-        seq_lens_host=(total,) * seqs,
-        context_lens_host=(cached,) * seqs,
-    )
+    key, value = flat[0, md.slot_mapping].clone(), flat[1, md.slot_mapping].clone()
     return cache, query, key, value, md
 
 
