@@ -54,6 +54,8 @@ def _other_value(flag) -> tuple[list[str], object]:
     default = getattr(EngineArgs(), field)
     if flag.kwargs.get("action") in ("store_true", "store_false"):
         return [flag.options[0]], not default
+    if flag.kwargs.get("action") is argparse.BooleanOptionalAction:  # default None: on and off
+        return ["--no-" + flag.options[0].removeprefix("--")], False
     if field in CHOICES:
         value = next(c for c in CHOICES[field] if c != default)
         return [flag.options[0], value], value
@@ -77,6 +79,7 @@ def test_switch_names_follow_the_default():
     assert names["enable_prefix_caching"] == ("--no-prefix-caching",)
     assert names["enable_chunked_prefill"] == ("--no-chunked-prefill",)
     assert names["enforce_eager"] == ("--enforce-eager",)
+    assert names["async_scheduling"] == ("--async-scheduling",)  # BooleanOptionalAction adds --no-
     assert names["tensor_parallel_size"] == ("--tensor-parallel-size", "-tp")
 
 
