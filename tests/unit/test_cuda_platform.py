@@ -118,3 +118,23 @@ def test_plugin_registers_through_the_public_hook():
     plugins = Plugins()
     plugins.register(plugin, "cuda")
     assert plugins.platforms()["cuda"][1] is CudaPlatform
+
+
+def test_gemma2_soft_capping_is_refused_until_verified_on_a_gpu():
+    """Gemma 2's capped attention disagreed with transformers on the H200 (2026-12-01), so the
+    GPU platforms refuse it at start with the reason and the fix; uncapped configs pass."""
+    from types import SimpleNamespace
+
+    from platforms.cuda.platform import CudaPlatform
+
+    def config(cap):
+        hf = SimpleNamespace(head_dim=128, attn_logit_softcapping=cap)
+        return SimpleNamespace(
+            cache=SimpleNamespace(block_size=16),
+            model=SimpleNamespace(dtype="bfloat16", weight_format="dense", hf_config=hf,
+                                  architecture="Gemma2ForCausalLM"),
+        )
+
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0.*--platform cpu"):
+        CudaPlatform().validate(config(50.0))
+    assert CudaPlatform().validate(config(None)).model.architecture == "Gemma2ForCausalLM"
