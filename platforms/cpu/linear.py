@@ -29,11 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from core.models.layers import DENSE, LinearMethod
+from core.models.layers import LinearMethod
 from platforms.cpu.kernels import kernels_or_none
+from platforms.cpu.row_buckets import bucketed_linear
 
 
 @dataclass(frozen=True)
@@ -168,14 +168,14 @@ class QuantizedLinear(LinearMethod):
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if rows == 0:
-            return F.linear(x, layer.weight, bias)
+            return bucketed_linear(x, layer.weight, bias)
         if layer.packed_weight is None:
             self.prepare(layer)
         packed = layer.packed_weight
         if isinstance(packed, GroupedQuant) and rows <= GROUPED_MAX_ROWS:
             return self._apply_grouped(layer, x, bias, packed, rows, k)
         if packed is _STAY_DENSE or isinstance(packed, GroupedQuant) or rows > self.codec.max_rows:
-            return F.linear(x, layer.weight, bias)
+            return bucketed_linear(x, layer.weight, bias)
         # A decode step's activations are already 2-D contiguous bf16: no conversion calls.
         plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
         y = self.codec.matmul(x if plain else x.reshape(rows, k).to(torch.bfloat16).contiguous(), packed)
@@ -187,7 +187,7 @@ class QuantizedLinear(LinearMethod):
 
     def _apply_grouped(self, layer, x, bias, packed: GroupedQuant, rows: int, k: int) -> torch.Tensor:
         if x.dtype != torch.float32:  # the model is float32; a stray other dtype keeps dense
-            return F.linear(x, layer.weight, bias)
+            return bucketed_linear(x, layer.weight, bias)
         flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k).contiguous()
         y = grouped_matmul(kernels_or_none(), flat, packed)
         if bias is not None:
@@ -274,10 +274,18 @@ class Int8Codec:
     group = staticmethod(group_int8)
 
 
+class BucketedDense(LinearMethod):
+    """``dense`` on the CPU: the dense weight, through :func:`bucketed_linear` (bf16 GEMMs see
+    a bounded set of row counts, so oneDNN's per-shape caches stay bounded)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return bucketed_linear(x, layer.weight, bias)
+
+
 def linear_method(weight_format: str) -> LinearMethod:
     """The method for a CPU weight format name (see :data:`WEIGHT_FORMATS`)."""
     if weight_format == "dense":
-        return DENSE
+        return BucketedDense()
     if weight_format not in _CODECS:
         raise ValueError(
             f"weight format {weight_format!r} is not supported by platform 'cpu'; use one of "
