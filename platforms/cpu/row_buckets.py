@@ -58,10 +58,13 @@ def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows = x.numel() // k if k else 0
     if x.dtype not in _BUCKETED_DTYPES or rows <= EXACT_ROWS:
         return F.linear(x, weight, bias)
+    pieces = row_pieces(rows)
+    if pieces == [rows]:  # already a bucket (e.g. a decode batch of 32): one plain call
+        return F.linear(x, weight, bias)
     flat = x.reshape(rows, k).contiguous()
     out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
     start = 0
-    for size in row_pieces(rows):
+    for size in pieces:
         stop = min(start + size, rows)
         if stop - start == size:
             _mm(flat[start:stop], weight, bias, out[start:stop])
