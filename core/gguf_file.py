@@ -142,6 +142,12 @@ def _cached_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
     return GGUFIndex(path)
 
 
+def forget_indexes() -> None:
+    """Drop the cached indexes, and with them their maps of the files: once the weights are
+    loaded the pages read through the map would stay resident (the whole file) for nothing."""
+    _cached_index.cache_clear()
+
+
 # ---- cache of what transformers derives from the file ------------------------------------------
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from core.config import ModelConfig
-from core.gguf_file import load_gguf_config, open_index
+from core.gguf_file import forget_indexes, load_gguf_config, open_index
 from core.models import ModelContext, ModelRegistry
 from core.models.layers import RMSNorm, prepare_weights
 from core.progress import track
@@ -323,6 +323,8 @@ def load_model(model_config: ModelConfig, ctx: ModelContext, registry: ModelRegi
         weights = track(iter_weights(model_config, keep), count_tensors(model_config), "loading weights",
                         unit="tensor", enabled=ctx.comm.rank == 0)
         model.load_weights(weights)
+        if model_config.gguf_file:
+            forget_indexes()  # its file map: ~the whole GGUF resident after reading it (issue 18)
     return model.eval()
 
 

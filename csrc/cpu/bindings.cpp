@@ -22,6 +22,8 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 void linear_f32out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, int64_t bits, int64_t act_mode);
+void quant_dequantize(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t bits);
 std::string cpu_isa();
 std::string set_cpu_isa(const std::string& name);
 std::vector<std::string> cpu_isas();
@@ -40,6 +42,7 @@ TORCH_LIBRARY(core_cpu, m) {
   m.def("linear_f32out(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, "
         "int act_mode) -> ()");
+  m.def("quant_dequantize(Tensor(a!) out, Tensor codes, Tensor scales, Tensor? mins, int bits) -> ()");
   // The ISA path in force (isa.h): no tensors, so registered with their one implementation.
   m.def("cpu_isa() -> str", &core_cpu::cpu_isa);
   m.def("set_cpu_isa(str name) -> str", &core_cpu::set_cpu_isa);
@@ -55,4 +58,5 @@ TORCH_LIBRARY_IMPL(core_cpu, CPU, m) {
   m.impl("paged_decode", &core_cpu::paged_decode);
   m.impl("linear_f32out", &core_cpu::linear_f32out);
   m.impl("quant_linear", &core_cpu::quant_linear);
+  m.impl("quant_dequantize", &core_cpu::quant_dequantize);
 }

@@ -85,6 +85,58 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
   });
 }
 
+// out [N, K] fp32 = the weight the codes stand for (w = code * scale + min, or code * scale), in
+// the same fp32 arithmetic as GroupedQuant.dequantize: prompts multiply by it through the dense
+// GEMM when the layer keeps no dense copy (platforms/cpu/linear.py), so it must be the dense
+// weight bit for bit: no fused multiply-add (torch rounds the product, then the sum). Plain
+// loops over one group at a time, which the compiler vectorises; rows split across threads.
+#if defined(__GNUC__) && !defined(__clang__)
+#define CORE_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define CORE_NO_FP_CONTRACT
+#endif
+
+namespace {
+
+CORE_NO_FP_CONTRACT void dequantize_rows(const QuantWeights& w, float* out, int64_t r0, int64_t r1) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const int64_t groups = w.k / kQuantGroup, per_row = w.bits == 4 ? w.k / 2 : w.k;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* c = w.codes + r * per_row;
+    const float* sc = w.scales + r * groups;
+    float* o = out + r * w.k;
+    for (int64_t g = 0; g < groups; ++g, o += kQuantGroup) {
+      const float d = sc[g];
+      if (w.bits == 8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(c) + g * kQuantGroup;
+        for (int j = 0; j < kQuantGroup; ++j) o[j] = static_cast<float>(q[j]) * d;
+      } else {
+        const uint8_t* q = c + g * (kQuantGroup / 2);
+        const float mn = w.mins[r * groups + g];
+        for (int j = 0; j < kQuantGroup / 2; ++j) {
+          o[j] = static_cast<float>(q[j] & 15) * d + mn;
+          o[j + kQuantGroup / 2] = static_cast<float>(q[j] >> 4) * d + mn;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void quant_dequantize(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t bits) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "quant_dequantize: out must be contiguous float32 [out, in], got ", out.scalar_type(), " ", out.sizes());
+  const QuantWeights w = check_weights(codes, scales, mins, bits, out.size(1));
+  TORCH_CHECK(out.size(0) == w.n, "quant_dequantize: out has ", out.size(0), " rows, the codes ", w.n);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w.n, std::max<int64_t>(1, 65536 / w.k),
+                   [&](int64_t b, int64_t e) { dequantize_rows(w, op, b, e); });
+}
+
 std::string cpu_isa() { return isa_name(active_isa()); }
 
 std::string set_cpu_isa(const std::string& name) {

@@ -48,11 +48,41 @@ class Tally:
         self.unexpected[what] = self.unexpected.get(what, 0) + 1
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (the engine core runs in a child of `core serve`)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # the task ended meanwhile
+                pass
+    return out
+
+
+def _rss_each(pid: int) -> dict[str, int]:
+    """VmRSS in bytes of the server and of each process under it, by command name and pid."""
+    out = {}
+    for p in _tree(pid):
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:  # a child that ended meanwhile
+            continue
+        fields = dict(ln.split(":", 1) for ln in lines if ":" in ln)
+        if "VmRSS" in fields:
+            out[f"{fields['Name'].strip()}[{p}]"] = int(fields["VmRSS"].split()[0]) * 1024
+    return out
+
+
 def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """Resident set of the server and its children together (the sum of their VmRSS: pages
+    shared between them, such as torch's libraries, count once per process)."""
+    total = sum(_rss_each(pid).values())
+    if total == 0:
+        raise RuntimeError(f"no VmRSS for pid {pid}")
+    return total
 
 
 def _metric(text: str, name: str) -> float:
@@ -206,12 +236,12 @@ def main() -> int:
         rss: list[tuple[float, float]] = []
         warm = asyncio.run(_traffic(url, ns.workers, ns.warmup, ns.abort_fraction, ns.seed + 1, proc.pid, warm_rss))
         _wait_idle(url, 300)
-        rss0 = _rss_bytes(proc.pid)
+        rss0, each0 = _rss_bytes(proc.pid), _rss_each(proc.pid)
         t0 = time.monotonic()
         tally = asyncio.run(_traffic(url, ns.workers, ns.duration, ns.abort_fraction, ns.seed, proc.pid, rss))
         elapsed = time.monotonic() - t0
         idle = _wait_idle(url, 300)
-        rss1 = _rss_bytes(proc.pid)
+        rss1, each1 = _rss_bytes(proc.pid), _rss_each(proc.pid)
         healthy = httpx2.get(url + "/health", timeout=30).status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -235,7 +265,9 @@ def main() -> int:
               "aborted_fraction_of_sent": round(tally.aborted / max(tally.sent, 1), 3),
               "tally": asdict(tally), "warmup_tally": asdict(warm), "idle_metrics": idle,
               "rss_baseline_mib": round(rss0 / 2**20, 1), "rss_after_mib": round(rss1 / 2**20, 1),
-              "rss_growth_pct": round(100 * growth, 2), "rss_mib_during_warmup": warm_rss,
+              "rss_growth_pct": round(100 * growth, 2),
+              "rss_mib_per_process": {k: [round(each0[k] / 2**20, 1), round(each1.get(k, 0) / 2**20, 1)]
+                                      for k in each0}, "rss_mib_during_warmup": warm_rss,
               "rss_mib_during_run": rss, "checks": checks, "load_after": os.getloadavg()}
     print(json.dumps(result, indent=2))
     if ns.out:

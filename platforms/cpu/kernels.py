@@ -47,7 +47,8 @@ libgomp soname torch ships, so there is one thread pool, not two)."""
 LD_FLAGS = ("-fopenmp",)
 OPS = (
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv",
-    "paged_decode", "linear_f32out", "quant_linear", "cpu_isa", "set_cpu_isa", "cpu_isas",
+    "paged_decode", "linear_f32out", "quant_linear", "quant_dequantize", "cpu_isa", "set_cpu_isa",
+    "cpu_isas",
 )
 
 

@@ -26,14 +26,16 @@ torch's bf16 paths are emulated and slower than float32.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.models.layers import DENSE, LinearMethod
+from core.models.layers import LinearMethod
 from platforms.cpu.kernels import kernels_or_none
+from platforms.cpu.row_buckets import bucketed_linear
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,17 @@ class QuantizedLinear(LinearMethod):
 
     def prepare(self, layer: nn.Module) -> None:
         weight = layer.weight.detach()
+        if is_released(layer):  # the codes are the weight (a bias load reset packed_weight)
+            layer.packed_weight = layer.released_to
+            return
         kernels = kernels_or_none() if weight.dtype == torch.float32 else None
         if kernels is not None:  # float32 model: the csrc/cpu kernel, no bf16 round trip
-            fits = weight.dim() == 2 and weight.shape[1] % GROUP == 0
-            layer.packed_weight = self.codec.group(weight) if fits else _STAY_DENSE
+            if not (weight.dim() == 2 and weight.shape[1] % GROUP == 0):
+                layer.packed_weight = _STAY_DENSE
+                return
+            packed = layer.packed_weight = self.codec.group(weight)
+            if _kernel_reproduces(kernels, packed, weight):
+                _release_dense(layer)
             return
         packed = self.codec.quantize(weight)
         layer.packed_weight = _STAY_DENSE if packed is None else packed
@@ -167,15 +176,17 @@ class QuantizedLinear(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if rows == 0:
-            return F.linear(x, layer.weight, bias)
         if layer.packed_weight is None:
             self.prepare(layer)
         packed = layer.packed_weight
-        if isinstance(packed, GroupedQuant) and rows <= GROUPED_MAX_ROWS:
-            return self._apply_grouped(layer, x, bias, packed, rows, k)
-        if packed is _STAY_DENSE or isinstance(packed, GroupedQuant) or rows > self.codec.max_rows:
-            return F.linear(x, layer.weight, bias)
+        if isinstance(packed, GroupedQuant):
+            if 0 < rows <= GROUPED_MAX_ROWS and x.dtype == torch.float32:
+                return self._apply_grouped(x, bias, packed, rows, k)
+            if is_released(layer):  # prompts: the exact weight, dequantized chunk by chunk
+                return dequantized_linear(kernels_or_none(), x, packed, bias)
+            return bucketed_linear(x, layer.weight, bias)
+        if rows == 0 or packed is _STAY_DENSE or rows > self.codec.max_rows:
+            return bucketed_linear(x, layer.weight, bias)
         # A decode step's activations are already 2-D contiguous bf16: no conversion calls.
         plain = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
         y = self.codec.matmul(x if plain else x.reshape(rows, k).to(torch.bfloat16).contiguous(), packed)
@@ -185,14 +196,82 @@ class QuantizedLinear(LinearMethod):
             y = y + bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
-    def _apply_grouped(self, layer, x, bias, packed: GroupedQuant, rows: int, k: int) -> torch.Tensor:
-        if x.dtype != torch.float32:  # the model is float32; a stray other dtype keeps dense
-            return F.linear(x, layer.weight, bias)
+    def _apply_grouped(self, x, bias, packed: GroupedQuant, rows: int, k: int) -> torch.Tensor:
         flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k).contiguous()
         y = grouped_matmul(kernels_or_none(), flat, packed)
         if bias is not None:
             y += bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+# ---- float32 layers without their dense weight ---------------------------------------------
+# A float32 layer's codes that reproduce its dense weight bit for bit (every layer of a GGUF
+# Q4_1 / Q8_0 checkpoint) make the dense copy redundant: it goes, and steps of more than
+# GROUPED_MAX_ROWS rows (prompts) multiply by the weight dequantized again, a chunk of rows at a
+# time, through the same dense GEMM, so their results do not change by a bit. That halves the
+# embedded SmolLM2's resident weights (docs/benchmarks/cpu.md); dequantizing costs ~1 % of a
+# prompt step's GEMM time.
+
+_DEQUANT_ROWS = 4096
+"""Weight rows dequantized at a time (SmolLM2's layers in one chunk; bounds the scratch for
+larger models to 4,096 x in_features floats per thread)."""
+_SCRATCH = threading.local()
+"""Per thread (tensor-parallel ranks may run as threads): the reused dequantization buffer."""
+
+
+def is_released(layer: nn.Module) -> bool:
+    """Whether the layer's dense weight was dropped for its exact codes (see above)."""
+    return getattr(layer, "released_to", None) is not None
+
+
+def _release_dense(layer: nn.Module) -> None:
+    """Drop the dense weight for ``layer.packed_weight``, kept as ``layer.released_to``. The
+    weight parameter stays, empty: loading a new weight into it fails the shape check (a
+    released layer cannot take new weights; load a fresh model)."""
+    layer.released_to = layer.packed_weight
+    layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
+
+def _scratch(rows: int, k: int) -> torch.Tensor:
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < rows * k:
+        buf = _SCRATCH.buf = torch.empty(rows * k)
+    return buf[: rows * k].view(rows, k)
+
+
+def _dequantize_rows(kernels, packed: GroupedQuant, start: int, stop: int) -> torch.Tensor:
+    """Weight rows [start, stop) in the thread's scratch buffer (valid until its next use)."""
+    out = _scratch(stop - start, packed.scales.shape[1] * GROUP)
+    mins = None if packed.mins is None else packed.mins[start:stop]
+    kernels.quant_dequantize(out, packed.codes[start:stop], packed.scales[start:stop], mins, packed.bits)
+    return out
+
+
+def _kernel_reproduces(kernels, packed: GroupedQuant, weight: torch.Tensor) -> bool:
+    """Whether ``quant_dequantize`` gives back exactly ``weight`` (what prompts would use)."""
+    return all(
+        torch.equal(_dequantize_rows(kernels, packed, s, min(s + _DEQUANT_ROWS, weight.shape[0])),
+                    weight[s : s + _DEQUANT_ROWS])
+        for s in range(0, weight.shape[0], _DEQUANT_ROWS)
+    )
+
+
+def dequantized_linear(kernels, x: torch.Tensor, packed: GroupedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for a released layer: W dequantized a chunk of rows at a time."""
+    n, k = packed.codes.shape[0], x.shape[-1]
+    flat = x.reshape(-1, k)
+    out = None
+    for start in range(0, n, _DEQUANT_ROWS):
+        stop = min(n, start + _DEQUANT_ROWS)
+        w = _dequantize_rows(kernels, packed, start, stop)
+        y = F.linear(flat, w if x.dtype == w.dtype else w.to(x.dtype), None if bias is None else bias[start:stop])
+        if stop - start == n:
+            out = y
+            break
+        if out is None:
+            out = torch.empty((flat.shape[0], n), dtype=y.dtype)
+        out[:, start:stop] = y
+    return out.view(*x.shape[:-1], n)
 
 
 class Int4Codec:
@@ -274,10 +353,18 @@ class Int8Codec:
     group = staticmethod(group_int8)
 
 
+class BucketedDense(LinearMethod):
+    """``dense`` on the CPU: the dense weight, through :func:`bucketed_linear` (bf16 GEMMs see
+    a bounded set of row counts, so oneDNN's per-shape caches stay bounded)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return bucketed_linear(x, layer.weight, bias)
+
+
 def linear_method(weight_format: str) -> LinearMethod:
     """The method for a CPU weight format name (see :data:`WEIGHT_FORMATS`)."""
     if weight_format == "dense":
-        return DENSE
+        return BucketedDense()
     if weight_format not in _CODECS:
         raise ValueError(
             f"weight format {weight_format!r} is not supported by platform 'cpu'; use one of "

@@ -193,3 +193,46 @@ def test_float32_layers_take_grouped_codes_for_small_steps(path: str, fmt: str) 
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
     big = torch.randn(GROUPED_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(12))
     assert torch.equal(layer(big), torch.nn.functional.linear(big, w, b))  # dense weight, bit-equal
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_kernel_is_the_torch_formula_bit_for_bit(bits: int) -> None:
+    packed, dense = random_codes(bits, 70, 96, seed=21)
+    out = torch.empty(70, 96)
+    KERNELS.quant_dequantize(out, packed.codes, packed.scales, packed.mins, bits)
+    assert torch.equal(out, packed.dequantize())  # no fused multiply-add: the same roundings
+    torch.testing.assert_close(out.double(), dense, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="out has 69 rows, the codes 70"):
+        KERNELS.quant_dequantize(torch.empty(69, 96), packed.codes, packed.scales, packed.mins, bits)
+
+
+def test_float32_layers_with_exact_codes_drop_the_dense_weight_and_prompts_stay_bit_equal() -> None:
+    import dataclasses
+
+    from core.models.layers import ColumnParallelLinear
+    from platforms.cpu.linear import GROUPED_MAX_ROWS, is_released, linear_method
+    from tests.helpers import cpu_context
+
+    def layer_for(fmt: str, w: torch.Tensor, b: torch.Tensor) -> ColumnParallelLinear:
+        ctx = dataclasses.replace(cpu_context(dtype=torch.float32), weight_format=fmt, linear_method=linear_method(fmt))
+        layer = ColumnParallelLinear(w.shape[1], w.shape[0], ctx, bias=True)
+        layer.load_weight("weight", w)
+        layer.load_weight("bias", b)
+        return layer
+
+    g = torch.Generator().manual_seed(22)
+    exact, lossy = q_grid(8, 96, 128, seed=23), torch.randn(96, 128, generator=g)  # Q8_0 grid / none
+    b = torch.randn(96, generator=g)
+    big = torch.randn(GROUPED_MAX_ROWS + 37, 128, generator=g)
+    small = torch.randn(3, 128, generator=g)
+    for fmt, w, released in (("int8", exact, True), ("int4", lossy, False)):
+        layer = layer_for(fmt, w, b)
+        decode = layer(small)  # prepares the layer on first use
+        assert is_released(layer) is released and (layer.weight.numel() == 0) is released
+        assert torch.equal(layer(big), torch.nn.functional.linear(big, w, b)), fmt  # exact weight, same GEMM
+        layer.load_weight("bias", b)  # resets packed_weight: the codes come back, not a repack
+        assert torch.equal(layer(small), decode) and torch.equal(layer(big), torch.nn.functional.linear(big, w, b))
+    released_layer = layer_for("int8", exact, b)
+    released_layer(small)
+    with pytest.raises(ValueError, match="the model expects"):  # a released layer takes no new weight
+        released_layer.load_weight("weight", exact)

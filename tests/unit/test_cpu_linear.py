@@ -14,14 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from core.models.layers import (
-    DENSE,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     load_checkpoint,
 )
-from platforms.cpu.linear import Int4Codec, Int8Codec, QuantizedLinear, linear_method
+from platforms.cpu.linear import BucketedDense, Int4Codec, Int8Codec, QuantizedLinear, linear_method
 from platforms.cpu.platform import CpuPlatform
 from tests.helpers import cpu_context, run_ranks
 
@@ -169,7 +168,8 @@ def test_tensor_parallel_shards_equal_one_rank(fmt: str) -> None:
 def test_platform_offers_the_formats_and_names_them_on_a_bad_one() -> None:
     platform = CpuPlatform()
     assert set(platform.supported_weight_formats()) == {"dense", "int4", "int8"}
-    assert platform.linear_method("dense") is DENSE
+    dense = platform.linear_method("dense")
+    assert isinstance(dense, BucketedDense) and dense.name == "dense"
     method = platform.linear_method("int4")
     assert isinstance(method, QuantizedLinear) and isinstance(method.codec, Int4Codec)
     assert isinstance(platform.linear_method("int8").codec, Int8Codec)
