@@ -68,6 +68,16 @@ DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 with everything else. 2 GiB holds ~46k tokens of SmolLM2-135M."""
 
 
+HOST_DEVICE = torch.device("cpu")
+"""torch's device for host memory (the contract's one fixed device: host swap caches, host
+staging, and tensors numpy can view live there)."""
+
+
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in host memory (numpy can view it; no copy reaches it)."""
+    return t.device.type == HOST_DEVICE.type
+
+
 def host_memory() -> tuple[int, int]:
     """(available, total) bytes of host RAM. "Available" is the kernel's MemAvailable (free
     plus reclaimable page cache), the figure a new allocation can count on; where

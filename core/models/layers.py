@@ -176,7 +176,7 @@ class LinearMethod:
         which is dequantized here) at rows ``[offset, offset + len)`` of ``layer.weight``."""
         if is_quantized(src):
             src = src.dequantize(torch.float32)
-        _copy_into(layer.weight.data.narrow(0, offset, src.shape[0]), src, what)
+        _copy_into(_rows_at(layer.weight.data, offset, src.shape[0]), src, what)
 
     def prepare(self, layer: nn.Module) -> None:
         """Derive ``layer.packed_weight`` from ``layer.weight``. Dense: nothing to derive."""
@@ -190,12 +190,21 @@ DENSE = LinearMethod()
 """The dense format (stateless, shared)."""
 
 
+def _rows_at(dst: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
+    """Rows ``[offset, offset + rows)`` of ``dst``; past its end (a checkpoint wider than the
+    model, or a weight a platform released after deriving its own form from it: the CPU's
+    exact int4/int8 codes) a shape mismatch for :func:`_copy_into` to report."""
+    if offset + rows > dst.shape[0]:
+        return dst.new_empty((max(0, dst.shape[0] - offset), *dst.shape[1:]))
+    return dst.narrow(0, offset, rows)
+
+
 def _load_rows(layer: nn.Module, name: str, offset: int, src: Any, what: str) -> None:
     """Rows of a linear layer's ``weight`` go through its method; its bias is plain."""
     if name == "weight":
         layer.linear_method.load_rows(layer, offset, src, what)
     else:
-        _copy_into(getattr(layer, name).data.narrow(0, offset, src.shape[0]), src, what)
+        _copy_into(_rows_at(getattr(layer, name).data, offset, src.shape[0]), src, what)
     layer.packed_weight = None
 
 

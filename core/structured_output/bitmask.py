@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.platform import in_host_memory
+
 logger = logging.getLogger(__name__)
 
 
@@ -119,7 +121,7 @@ def apply_bitmask_numpy(
     n = _check(bitmask, batch, rows)
     if n == 0:
         return
-    if logits.device.type != "cpu":
+    if not in_host_memory(logits):
         raise ValueError(f"apply_bitmask_numpy needs logits in host memory, not on {logits.device}")
     arr = logits.detach().numpy()  # shares the tensor's memory (strided views too)
     allowed = np.zeros((n, vocab), dtype=bool)
@@ -195,9 +197,9 @@ class RowBitmask:
         if not self.rows:
             return
         rows = None if self.rows == tuple(range(logits.shape[0])) else list(self.rows)
-        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        if in_host_memory(logits) and logits.dtype in (torch.float32, torch.float64):
             apply_bitmask_numpy(logits, self.bitmask, rows)
-        elif device_path_works(logits.device.type):
+        elif in_host_memory(logits) or device_path_works(logits.device.type):
             apply_bitmask(logits, self.bitmask, rows)
         else:
             apply_bitmask_host(logits, self.bitmask, rows)
@@ -208,9 +210,8 @@ def device_path_works(device_type: str) -> bool:
     """Whether :func:`apply_bitmask` gives :func:`apply_bitmask_host`'s result on this kind
     of device: asked of the device itself, once, on random logits and masks (a device
     without uint8 shifts or boolean ``masked_fill`` raises or differs; it gets the host
-    path). The CPU needs no check: the host path's reference is the CPU."""
-    if device_type == "cpu":
-        return True
+    path). Host memory needs no check (callers ask only for other devices): the host
+    path is the reference."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 100, generator=gen)
     mask = torch.randint(-(2**31), 2**31 - 1, (2, 4), generator=gen, dtype=torch.int64).to(torch.int32)

@@ -59,7 +59,7 @@ run() { if [ -z "$SELECTED" ] || [[ " $SELECTED " == *" $1 "* ]]; then step "$@"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv >"$RES/gpu.txt" 2>&1
 run build 300 python3 -c "from platforms.cuda.build import load_ops; load_ops()"
 run test_quant 120 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_quant.py
-run kernels 90 python3 -m core.benchmarks.quant_linear --rows 1 4 16 64 256 2048 \
+run kernels 90 python3 -m platforms.cuda.quant_bench --rows 1 4 16 64 256 2048 \
   --output-json "$RES/kernels.json"
 run fp8_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_FP8 --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/fp8_latency.json"

@@ -10,7 +10,7 @@ Per step size (the number of activation rows ``M``):
   128-input weight groups); integer weights are dequantized once by ``core_C.quant_dequant``
   and multiplied by one dense GEMM.
 
-Which path wins for decode is measured by ``python -m core.benchmarks.quant_linear`` (the
+Which path wins for decode is measured by ``python -m platforms.cuda.quant_bench`` (the
 GEMV against ``_scaled_mm`` and against bf16 cuBLAS per Llama-3-8B shape); the crossover is
 :data:`GEMV_MAX_ROWS`.
 """

@@ -1,6 +1,6 @@
 """Quantized linear layers on a GPU against bf16 cuBLAS, per Llama-3-8B shape and step size.
 
-    python -m core.benchmarks.quant_linear [--rows 1 4 16 64 256 2048] [--output-json PATH]
+    python -m platforms.cuda.quant_bench [--rows 1 4 16 64 256 2048] [--output-json PATH]
 
 For each projection (fused QKV, output, fused gate/up, down) and number of activation rows
 it times, with the weights cycling through copies totalling >= 512 MiB so every call reads
