@@ -51,6 +51,9 @@ compile-check: setup sysdeps
 test-py: setup
 	$(PYTEST) -q -m "not cuda" --ignore=tests/compile tests
 
+# Each environment holds a CUDA build of torch (PyPI has no CPU build of 2.8/2.9): about 7.5 GB.
+# They run one after the other and each is deleted after its checks (KEEP_PLATFORM_ENVS=1
+# keeps them), so the disk holds at most one at a time (tests/envs/venv_lib.sh).
 test-platform-envs:
 	bash tests/envs/xpu.sh $(CURDIR)/.venv-xpu
 	bash tests/envs/tpu.sh $(CURDIR)/.venv-tpu

@@ -2,6 +2,7 @@
 # Build the TPU platform's environment and verify the platform in it.
 #
 # Usage: tests/envs/tpu.sh [VENV_DIR]      (default: .venv-tpu in the repo root)
+#        KEEP_PLATFORM_ENVS=1 keeps VENV_DIR afterwards (default: deleted, see venv_lib.sh)
 #
 # torch-xla 2.9 is built against torch 2.9, so this platform cannot live in the main
 # environment (torch 2.13). The venv gets torch 2.9 + torch-xla 2.9 + this repo (editable,
@@ -13,11 +14,10 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${1:-$repo/.venv-tpu}"
 python="${PYTHON:-python3.11}"
 
-if [[ ! -x "$venv/bin/python" ]]; then
-    "$python" -m venv "$venv"
-fi
+source "$repo/tests/envs/venv_lib.sh"
+platform_venv_create "$venv" tpu
 # One resolver run for everything, so pip cannot move torch off the minor torch-xla needs.
-"$venv/bin/pip" install --quiet "torch==2.9.*" "torch-xla==2.9.*" -e "${repo}[tpu,test]"
+"$venv/bin/pip" install --quiet --no-cache-dir "torch==2.9.*" "torch-xla==2.9.*" -e "${repo}[tpu,test]"
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
 print("tpu env:", {p: md.version(p) for p in ("torch", "torch-xla")})
@@ -31,3 +31,4 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
 export CORE_PLUGINS=cpu,tpu   # load only what this check needs
 "$venv/bin/python" -m pytest -q -p no:cacheprovider --core-platform=tpu --pyargs core.conformance
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_tpu_platform.py tests/unit/test_tpu_buckets.py
+platform_venv_done "$venv"

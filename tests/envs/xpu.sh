@@ -2,6 +2,7 @@
 # Build the XPU platform's environment and verify the platform in it.
 #
 # Usage: tests/envs/xpu.sh [VENV_DIR]      (default: .venv-xpu in the repo root)
+#        KEEP_PLATFORM_ENVS=1 keeps VENV_DIR afterwards (default: deleted, see venv_lib.sh)
 #
 # IPEX 2.8 is built against torch 2.8 exactly, so this platform cannot live in the main
 # environment (torch 2.13). The venv gets torch 2.8 + intel-extension-for-pytorch 2.8 +
@@ -14,13 +15,12 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${1:-$repo/.venv-xpu}"
 python="${PYTHON:-python3.11}"
 
-if [[ ! -x "$venv/bin/python" ]]; then
-    "$python" -m venv "$venv"
-fi
+source "$repo/tests/envs/venv_lib.sh"
+platform_venv_create "$venv" xpu
 # One resolver run for everything, so pip cannot upgrade torch past what IPEX was built for.
 # IPEX 2.8 patches and imports transformers at import time and breaks on transformers 5
 # (NameError: MoeModelOutputWithPast); 4.51.3 is the version IPEX 2.8 was validated with.
-"$venv/bin/pip" install --quiet \
+"$venv/bin/pip" install --quiet --no-cache-dir \
     "torch==2.8.*" "intel-extension-for-pytorch==2.8.*" "transformers==4.51.3" \
     -e "${repo}[xpu,test]"
 "$venv/bin/python" - <<'PY'
@@ -32,3 +32,4 @@ cd "$repo"
 export CORE_PLUGINS=cpu,xpu   # load only what this check needs
 "$venv/bin/python" -m pytest -q -p no:cacheprovider --core-platform=xpu --pyargs core.conformance
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_xpu_platform.py
+platform_venv_done "$venv"
