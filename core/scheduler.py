@@ -203,7 +203,8 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset()
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset(),
+        skip_in_flight: bool = False,
     ):
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(
@@ -226,6 +227,10 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.eos_token_ids = eos_token_ids
+        self.skip_in_flight = skip_in_flight
+        """Pipeline parallelism keeps several steps in flight: a sequence whose sampled
+        token is still in flight is left out of the next steps until ``update`` has it
+        (so no step carries a placeholder token)."""
         self._requests: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._next_order = 0
@@ -390,12 +395,15 @@ class Scheduler:
         :meth:`needs_sync` is true)."""
         step = _Step(
             budget=self.config.max_num_batched_tokens,
-            pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1},
+            pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1
+                             and not (self.skip_in_flight and s.num_pending)},
         )
         candidates = [*self._running.values(), *self._swapped.values(), *self._waiting.values()]
         for seq in sorted(candidates, key=self._key):
             if seq.seq_id in step.preempted or seq.status.finished:
                 continue  # preempted or aborted earlier in this step
+            if self.skip_in_flight and seq.num_pending:
+                continue  # its token is in an earlier micro-batch still in the pipe
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_running(seq, step)
             elif seq.status is SequenceStatus.SWAPPED:

@@ -24,11 +24,11 @@ import pytest
 
 from core import LLM, SamplingParams
 from core.config import ParallelConfig
-from core.distributed_executor import worker_visibility
 from core.engine import resolve_config
 from core.engine_args import EngineArgs
-from core.parallel_check import validate_parallel
-from core.worker import WorkerError
+from core.executor.multiproc import worker_visibility
+from core.executor.parallel_check import validate_parallel
+from core.executor.worker import WorkerError
 from platforms.cpu.platform import CpuPlatform
 from tests.helpers import tiny_llama_dir, tiny_model_dir
 
@@ -210,7 +210,7 @@ def test_device_count_is_checked_for_one_host_executors(base_config):
 
 def test_more_cpu_ranks_than_cores_warn(base_config, caplog):
     tp = 2 * (os.cpu_count() or 1)
-    with caplog.at_level(logging.WARNING, logger="core.parallel_check"):
+    with caplog.at_level(logging.WARNING, logger="core.executor.parallel_check"):
         validate_parallel(with_sizes(base_config, tp, num_attention_heads=tp, num_key_value_heads=tp, intermediate_size=128 * tp), CpuPlatform())
     assert f"starts {tp} worker processes on {os.cpu_count()} CPU cores" in caplog.text
 
