@@ -182,7 +182,7 @@ def with_sizes(config, tp: int, executor: str = "auto", **hf):
         (3, {}, "mp", r"--tensor-parallel-size 3 does not divide the model's 4 attention heads; use a size that divides 4: \[1, 2, 4\]"),
         (3, dict(num_attention_heads=6, num_key_value_heads=4, hidden_size=96), "mp", r"--tensor-parallel-size 3 and the model's 4 KV heads fit neither way.*one of \[1, 2\]"),
         (2, dict(intermediate_size=129), "mp", r"does not divide the model's intermediate size 129"),
-        (2, {}, "uni", r"--executor uni .* cannot run --tensor-parallel-size 2; use --executor mp"),
+        (2, {}, "uni", r"--executor uni .* cannot run --tensor-parallel-size 2 x --pipeline-parallel-size 1; use --executor mp"),
         (0, {}, "mp", r"--tensor-parallel-size must be at least 1, got 0"),
         (2, {}, "spark", r"unknown executor 'spark'"),
     ],
@@ -202,7 +202,7 @@ def test_sizes_that_fit(base_config):
 def test_device_count_is_checked_for_one_host_executors(base_config):
     fake = FakeGpuPlatform()
     validate_parallel(with_sizes(base_config, 2, "mp"), fake)
-    with pytest.raises(ValueError, match=r"needs 4 fakegpu devices but this host has 2 visible \(check FAKEGPU_VISIBLE_DEVICES\); lower the size to at most 2"):
+    with pytest.raises(ValueError, match=r"needs 4 fakegpu devices but this host has 2 visible \(check FAKEGPU_VISIBLE_DEVICES\); lower the sizes to at most 2 devices in all"):
         validate_parallel(with_sizes(base_config, 4, "mp"), fake)
     # A Ray cluster may hold more devices than this host: checked when placing the group.
     validate_parallel(with_sizes(base_config, 4, "ray"), fake)
@@ -240,7 +240,7 @@ def test_each_worker_sees_its_own_device(monkeypatch, given, expected):
 
 def test_too_few_visible_devices_are_refused(monkeypatch):
     monkeypatch.setenv("FAKEGPU_VISIBLE_DEVICES", "3")
-    with pytest.raises(ValueError, match=r"FAKEGPU_VISIBLE_DEVICES='3' lists 1 device\(s\) but --tensor-parallel-size is 2"):
+    with pytest.raises(ValueError, match=r"FAKEGPU_VISIBLE_DEVICES='3' lists 1 device\(s\) but the engine needs 2 \(--tensor-parallel-size x --pipeline-parallel-size\)"):
         worker_visibility(FakeGpuPlatform(), 1, 2)
 
 
@@ -292,7 +292,7 @@ def test_worker_error_reaches_the_caller(models):
     args = {**ENGINE, "kv_cache_memory": "8KiB"}
     with pytest.raises(ValueError, match=r"max_model_len 256 needs 16 blocks") as info:
         LLM(model=models["llama"].path, tensor_parallel_size=2, **args)
-    assert "raised on tensor-parallel rank" in "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised on parallel rank" in "\n".join(getattr(info.value, "__notes__", []))
 
 
 # ---- Ray executor (one local cluster of 2 CPUs for the module) ------------------------------------
@@ -354,7 +354,7 @@ def test_ray_shutdown_kills_actors_and_frees_the_cluster(ray_cluster, ray_engine
 
 
 def test_ray_refuses_a_group_larger_than_the_cluster(models, ray_cluster):
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4 needs 4 x CPU in the Ray cluster, which has 2"):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4 x --pipeline-parallel-size 1 needs 4 x CPU in the Ray cluster, which has 2"):
         LLM(model=models["llama"].path, tensor_parallel_size=4, executor="ray", **ENGINE)
 
 

@@ -1,0 +1,309 @@
+"""Pipeline parallelism end to end on CPU with gloo, and the one start-up path.
+
+PP=2, PP=3 and TP=2 x PP=2 (worker processes, ``--executor mp``) must give the greedy
+tokens of the in-process TP=1 engine (itself checked against HF transformers in
+test_engine_hf.py) through batching (four prompts at once), chunked prefill (a 32-token
+step budget splits the 40-token prompt) and preemption (six KV blocks, where the four
+requests need nine), with several micro-batches in flight. A stage process killed in the
+middle of a generation ends it with the documented error, and a server's ``/health``
+answers 503. Sizes that cannot work are refused at start with the numbers. The
+multiprocess executor runs the same memory profile and plans the same KV cache as the
+in-process one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from core import LLM, SamplingParams
+from core.config import ParallelConfig
+from core.engine import resolve_config
+from core.engine_args import EngineArgs
+from core.executor.multiproc import MultiprocExecutor
+from core.executor.parallel_check import validate_parallel
+from core.executor.pipeline import check_pipeline_support, split_layers, stage_layers
+from core.executor.uni import UniExecutor
+from core.executor.worker import WorkerError
+from core.model_runner import RunnerSetup
+from core.models import ModelRegistry
+from core.ops import Ops
+from platforms.cpu.platform import CpuPlatform
+from tests.helpers import tiny_llama_dir, tiny_model_dir
+
+MAX_NEW = 10
+LAYERS = 4
+# 64 tokens per sequence at most: 4 blocks of 16 (+ the null block). Six blocks hold one
+# or two of the four requests at a time, so the scheduler must preempt.
+ENGINE = dict(platform="cpu", dtype="float32", block_size=16, max_model_len=64,
+              max_num_batched_tokens=32)
+TIGHT = dict(ENGINE, num_blocks_override=6)
+ROOMY = dict(ENGINE, kv_cache_memory="2MiB")
+KILL_DEADLINE_S = 30.0
+
+
+def prompts(vocab: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 40, 9)]
+
+
+def greedy(llm: LLM, vocab: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts(vocab), sp, use_tqdm=False)]
+
+
+@dataclasses.dataclass
+class Model:
+    path: str
+    vocab: int
+    reference: list[list[int]]  # greedy() of the in-process TP=1 engine, ample KV cache
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Model]:
+    root = tmp_path_factory.mktemp("pp")
+    dirs = {
+        # tied embeddings: the last stage keeps the embedding for its LM head
+        "llama": (tiny_llama_dir(root, seed=1, tie_word_embeddings=True, num_hidden_layers=LAYERS), 512),
+        # q/k/v biases, one KV head (replicated under TP), an odd vocabulary
+        "qwen2": (tiny_model_dir(root, "qwen2", seed=2, num_key_value_heads=1, vocab_size=509,
+                                 num_hidden_layers=LAYERS), 509),
+    }
+    found = {}
+    for family, (path, vocab) in dirs.items():
+        llm = LLM(model=str(path), **ROOMY)
+        found[family] = Model(str(path), vocab, greedy(llm, vocab))
+        llm.engine.shutdown()
+    return found
+
+
+class InFlight:
+    """Counts the engine's launched, not yet read steps (wraps the executor's launch)."""
+
+    def __init__(self, executor):
+        self.now = self.most = 0
+        launch = executor.launch
+
+        def counted(sched):
+            handle = launch(sched)
+            self.now += 1
+            self.most = max(self.most, self.now)
+            result = handle.result
+
+            def read():
+                if not getattr(handle, "_counted", False):
+                    handle._counted = True
+                    self.now -= 1
+                return result()
+
+            handle.result = read
+            return handle
+
+        executor.launch = counted
+
+
+@pytest.mark.parametrize(
+    "family, tp, pp, split",
+    [("llama", 1, 2, None), ("qwen2", 1, 3, None), ("llama", 2, 2, None), ("llama", 1, 2, "3,1")],
+    ids=["pp2", "pp3-qwen2", "tp2xpp2", "pp2-split-3-1"],
+)
+def test_pipeline_matches_single_process(models, family, tp, pp, split):
+    m = models[family]
+    llm = LLM(model=m.path, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_layer_split=split, **TIGHT)
+    try:
+        flight = InFlight(llm.engine.executor)
+        assert greedy(llm, m.vocab) == m.reference
+        assert llm.engine.scheduler.stats().num_preemptions > 0, "the tiny cache must force preemption"
+        assert flight.most == pp, f"{pp} micro-batches should be in flight at once"
+        reports = llm.engine.executor.startup_reports
+        assert [r.rank for r in reports] == list(range(tp * pp))
+        assert len({r.plan.num_blocks for r in reports}) == 1
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks
+        llm.engine.executor.check_health()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_each_stage_holds_only_its_layers(models):
+    """Weights and KV cache per stage: a 3,1 split gives stage 0 three layers' KV bytes
+    per block and stage 1 one layer's (the block count is the same on both)."""
+    llm = LLM(model=models["llama"].path, pipeline_parallel_size=2, pp_layer_split="3,1", **ROOMY)
+    try:
+        first, last = llm.engine.executor.startup_reports
+        assert first.plan.bytes_per_block == 3 * last.plan.bytes_per_block
+        assert first.plan.num_blocks == last.plan.num_blocks
+        # stage 0: embedding + 3 layers; stage 1: 1 layer + norm + the tied embedding as LM head
+        assert first.weights_bytes > last.weights_bytes
+    finally:
+        llm.engine.shutdown()
+
+
+# ---- sizes refused at start ------------------------------------------------------------------------
+
+
+def test_even_split_and_overrides():
+    assert split_layers(30, 4) == [8, 8, 7, 7]
+    assert split_layers(4, 3) == [2, 1, 1]
+    assert split_layers(30, 4, [10, 10, 5, 5]) == [10, 10, 5, 5]
+    assert [(s.start, s.end) for s in (stage_layers(30, 4, i) for i in range(4))] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size 5 would leave 1 stage\(s\) without a layer: the model has 4 layers; use at most 4 stages"):
+        split_layers(4, 5)
+    with pytest.raises(ValueError, match=r"--pp-layer-split 3,0 does not fit.*2 counts >= 1.*4 layers; it has 2 adding up to 3\. The even split is 2,2"):
+        split_layers(4, 2, [3, 0])
+
+
+class FakeGpuPlatform(CpuPlatform):
+    name = "fakegpu"
+    device_type = "fakegpu"
+    device_visibility_env = "FAKEGPU_VISIBLE_DEVICES"
+
+    def device_count(self) -> int:
+        return 2
+
+
+@pytest.fixture(scope="module")
+def base_config(models):
+    return resolve_config(EngineArgs(model=models["llama"].path, **ROOMY), CpuPlatform())
+
+
+def sized(config, tp: int, pp: int, executor: str = "auto", split=None):
+    return dataclasses.replace(config, parallel=ParallelConfig(tp, executor, pp, split))
+
+
+def test_world_larger_than_the_devices_is_refused(base_config):
+    fake = FakeGpuPlatform()
+    validate_parallel(sized(base_config, 1, 2, "mp"), fake)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 x --pipeline-parallel-size 2 needs 4 fakegpu devices but this host has 2 visible \(check FAKEGPU_VISIBLE_DEVICES\)"):
+        validate_parallel(sized(base_config, 2, 2, "mp"), fake)
+    validate_parallel(sized(base_config, 2, 2, "ray"), fake)  # checked against the cluster
+
+
+@pytest.mark.parametrize(
+    "tp, pp, split, executor, message",
+    [
+        (1, 5, None, "mp", r"--pipeline-parallel-size 5 would leave 1 stage\(s\) without a layer"),
+        (3, 2, None, "mp", r"--tensor-parallel-size 3 does not divide the model's 4 attention heads"),
+        (1, 2, (1, 1), "mp", r"--pp-layer-split 1,1 does not fit"),
+        (1, 1, (2, 2), "mp", r"--pp-layer-split needs --pipeline-parallel-size 2 or more"),
+        (1, 2, None, "uni", r"--executor uni .* cannot run --tensor-parallel-size 1 x --pipeline-parallel-size 2"),
+        (1, 0, None, "mp", r"--pipeline-parallel-size must be at least 1, got 0"),
+    ],
+)
+def test_bad_pipeline_sizes_are_refused(base_config, tp, pp, split, executor, message):
+    with pytest.raises(ValueError, match=message):
+        validate_parallel(sized(base_config, tp, pp, executor, split), CpuPlatform())
+
+
+def test_engine_refuses_before_starting_workers(models):
+    with pytest.raises(ValueError, match="without a layer"):
+        LLM(model=models["llama"].path, pipeline_parallel_size=LAYERS + 1, **ROOMY)
+    with pytest.raises(ValueError, match=r"pp_layer_split \(--pp-layer-split\)='8,x' is invalid"):
+        EngineArgs(pp_layer_split="8,x")
+
+
+def test_models_without_stages_are_refused():
+    registry = ModelRegistry()
+    check_pipeline_support(registry.resolve("LlamaForCausalLM"), "LlamaForCausalLM", 2)
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size 2: the GPT2LMHeadModel model .* cannot be split into stages"):
+        check_pipeline_support(registry.resolve("GPT2LMHeadModel"), "GPT2LMHeadModel", 2)
+
+
+# ---- one start-up path ----------------------------------------------------------------------------
+
+
+class ProfilingCpuPlatform(CpuPlatform):
+    """A CPU platform that reports a memory profile (as a device platform does) and a
+    fixed KV budget, so the plan shows whether the profile ran. Module level: the worker
+    processes unpickle it."""
+
+    PEAK = 7 << 20
+    TOTAL = 16 << 20
+
+    def reset_peak_memory(self) -> None:
+        self._profiling = True
+
+    def peak_memory_bytes(self) -> int | None:
+        return self.PEAK if getattr(self, "_profiling", False) else None
+
+    def kv_cache_budget(self, requested_bytes, memory_utilization, weights_bytes) -> int:
+        return self.TOTAL - weights_bytes
+
+
+def _setup(models, **parallel) -> RunnerSetup:
+    platform = ProfilingCpuPlatform()
+    config = resolve_config(EngineArgs(model=models["llama"].path, **ENGINE, **parallel), platform)
+    return RunnerSetup(config, platform, Ops(platform.ops()), ModelRegistry())
+
+
+def test_multiprocess_runs_the_single_process_memory_profile(models):
+    uni = UniExecutor(_setup(models), frozenset())
+    want = uni.initialize()
+    (single,) = uni.startup_reports
+    assert single.peak_bytes == ProfilingCpuPlatform.PEAK
+    assert want.num_blocks == (ProfilingCpuPlatform.TOTAL - ProfilingCpuPlatform.PEAK) // want.bytes_per_block
+    for parallel in (dict(executor="mp"), dict(pipeline_parallel_size=2)):
+        mp = MultiprocExecutor(_setup(models, **parallel), frozenset())
+        try:
+            got = mp.initialize()
+            reports = mp.startup_reports
+        finally:
+            mp.shutdown()
+        assert [r.peak_bytes for r in reports] == [ProfilingCpuPlatform.PEAK] * len(reports)
+        if len(reports) == 1:  # the same rank as the in-process one: the same plan
+            assert reports[0].weights_bytes == single.weights_bytes
+            assert got == want
+        else:  # each stage holds half the layers: twice the blocks fit the same budget
+            assert got.num_blocks == min(
+                (ProfilingCpuPlatform.TOTAL - ProfilingCpuPlatform.PEAK) // r.plan.bytes_per_block
+                for r in reports
+            )
+            assert got.num_blocks > want.num_blocks
+
+
+# ---- a stage process dies ---------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["first-stage", "last-stage"])
+def test_killed_stage_ends_generate(models, victim):
+    llm = LLM(model=models["llama"].path, pipeline_parallel_size=2, **dict(ROOMY, max_model_len=256))
+    pids = llm.engine.executor.worker_pids
+    marks: dict[str, float] = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while not llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        marks["t"] = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        with pytest.raises(WorkerError, match=rf"worker rank {victim} \(pid \d+\) died: killed by signal SIGKILL"):
+            llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=240, ignore_eos=True), use_tqdm=False)
+        elapsed = time.monotonic() - marks["t"]
+    finally:
+        thread.join()
+        llm.engine.shutdown()
+    print(f"stage {victim} killed: generate() raised after {elapsed:.2f} s")
+    assert elapsed < KILL_DEADLINE_S
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
