@@ -82,8 +82,6 @@ def validate_engine_args(args: EngineArgs) -> None:
     for name, allowed in CHOICES.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"{_where(name)}={getattr(args, name)!r} is invalid: must be one of {', '.join(allowed)}")
-    if args.pp_layer_split is not None:
-        parse_layer_split(args.pp_layer_split)
     if args.async_scheduling is not None and not isinstance(args.async_scheduling, bool):
         raise ValueError(f"{_where('async_scheduling')}={args.async_scheduling!r} is invalid: must be "
                          "True, False or None (on where the executor supports it)")

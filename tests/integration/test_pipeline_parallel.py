@@ -204,8 +204,8 @@ def test_bad_pipeline_sizes_are_refused(base_config, tp, pp, split, executor, me
 def test_engine_refuses_before_starting_workers(models):
     with pytest.raises(ValueError, match="without a layer"):
         LLM(model=models["llama"].path, pipeline_parallel_size=LAYERS + 1, **ROOMY)
-    with pytest.raises(ValueError, match=r"pp_layer_split \(--pp-layer-split\)='8,x' is invalid"):
-        EngineArgs(pp_layer_split="8,x")
+    with pytest.raises(ValueError, match=r"pp_layer_split \(--pp-layer-split\)='2,x' is invalid"):
+        LLM(model=models["llama"].path, pipeline_parallel_size=2, pp_layer_split="2,x", **ROOMY)
 
 
 def test_models_without_stages_are_refused():
