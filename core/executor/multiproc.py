@@ -225,7 +225,7 @@ class MultiprocExecutor(Executor):
     def initialize(self) -> KVPlan:
         ready = self._collect(set(range(self.world_size)), ("ready",))
         self.startup_reports = [ready[r][0] for r in range(self.world_size)]
-        logger.info("%d worker processes", self.world_size)
+        logger.info("%d worker processes, pids by rank: %s", self.world_size, self.worker_pids)
         return agree_plans(self.startup_reports)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import signal
 import threading
 import time
 
+import httpx2
 import pytest
 
 from core import LLM, SamplingParams
@@ -36,6 +38,7 @@ from core.models import ModelRegistry
 from core.ops import Ops
 from platforms.cpu.platform import CpuPlatform
 from tests.helpers import tiny_llama_dir, tiny_model_dir
+from tests.integration import live_server
 
 MAX_NEW = 10
 LAYERS = 4
@@ -307,3 +310,47 @@ def test_killed_stage_ends_generate(models, victim):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_killed_stage_makes_health_503(models, tmp_path):
+    """``core serve -pp 2``: kill the last stage's process while a completion runs; the
+    request fails and /health turns 503 naming the dead rank (bounded waits)."""
+    server = live_server.start(models["llama"].path, tmp_path / "serve.log", "-pp", "2")
+    try:
+        live_server.wait_ready(server)
+        found = re.search(r"2 worker processes, pids by rank: \[(\d+), (\d+)\]", server.log_text())
+        assert found, server.log_tail()
+        victim = int(found.group(2))
+        body = {"model": live_server.MODEL, "prompt": [5, 6, 7], "max_tokens": 240,
+                "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        request = threading.Thread(target=stream)
+        request.start()
+        assert started.wait(120), server.log_tail()
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 60
+        health = httpx2.get(server.url + "/health", timeout=10)
+        while health.status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            health = httpx2.get(server.url + "/health", timeout=10)
+        took = time.monotonic() - killed
+        request.join(timeout=120)
+        print(f"last stage killed: /health 503 after {took:.2f} s")
+        assert health.status_code == 503, server.log_tail()
+        assert re.search(rf"worker rank 1 \(pid {victim}\) died: killed by signal SIGKILL",
+                         health.json()["error"]["message"]), health.json()
+        assert not request.is_alive()
+        # the stream was cut short with an error event naming the dead rank
+        assert "[DONE]" not in lines[-1] and any("worker rank 1" in line for line in lines), lines[-3:]
+        assert server.proc.poll() is None  # the API server stays up to answer 503s
+    finally:
+        live_server.stop(server)
