@@ -91,9 +91,11 @@ class StageLink:
 
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
         """Start sending ``tensors`` (in order) to the next stage."""
-        for work in self._sending:
-            work.wait()
-        self._sending = [self._dist.isend(t.contiguous(), self.next) for t in tensors]
+        self.flush()
+        # Each tensor is kept beside its request until the send completed.
+        for t in tensors:
+            t = t.contiguous()
+            self._sending.append((self._dist.isend(t, self.next), t))
 
     def recv(self, like: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
         """Receive tensors of the given (shape, dtype)s, in order, from the previous stage."""
@@ -103,8 +105,8 @@ class StageLink:
         return out
 
     def flush(self) -> None:
-        """Wait for the sends in progress (before leaving the process group)."""
-        for work in self._sending:
+        """Wait for the sends in progress (before new ones, and before leaving the group)."""
+        for work, _ in self._sending:
             work.wait()
         self._sending = []
 

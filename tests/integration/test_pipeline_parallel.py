@@ -9,11 +9,17 @@ middle of a generation ends it with the documented error, and a server's ``/heal
 answers 503. Sizes that cannot work are refused at start with the numbers. The
 multiprocess executor runs the same memory profile and plans the same KV cache as the
 in-process one.
+
+On GPUs (``cuda`` marker; skipped elsewhere), on the machine with 2 (PP=2) or 4 (TP=2 x
+PP=2) H200s: ``PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider -m cuda
+tests/integration/test_pipeline_parallel.py`` (NCCL sends between stages, each rank's memory
+profile on its own GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import re
@@ -31,8 +37,10 @@ from core.engine_args import EngineArgs
 from core.executor.multiproc import MultiprocExecutor
 from core.executor.parallel_check import validate_parallel
 from core.executor.pipeline import check_pipeline_support, split_layers, stage_layers
+from core.executor.startup import StartupReport, agree_plans
 from core.executor.uni import UniExecutor
 from core.executor.worker import WorkerError
+from core.kv_plan import plan_kv_cache
 from core.model_runner import RunnerSetup
 from core.models import ModelRegistry
 from core.ops import Ops
@@ -134,11 +142,15 @@ def test_pipeline_matches_single_process(models, family, tp, pp, split):
         llm.engine.shutdown()
 
 
-def test_each_stage_holds_only_its_layers(models):
+def test_each_stage_holds_only_its_layers(models, caplog):
     """Weights and KV cache per stage: a 3,1 split gives stage 0 three layers' KV bytes
-    per block and stage 1 one layer's (the block count is the same on both)."""
-    llm = LLM(model=models["llama"].path, pipeline_parallel_size=2, pp_layer_split="3,1", **ROOMY)
+    per block and stage 1 one layer's (the block count is the same on both); the driver
+    logs every rank's plan."""
+    with caplog.at_level(logging.INFO, logger="core.executor.startup"):
+        llm = LLM(model=models["llama"].path, pipeline_parallel_size=2, pp_layer_split="3,1", **ROOMY)
     try:
+        for rank in (0, 1):
+            assert re.search(rf"rank {rank}: weights [0-9.]+ MiB, profiled peak not measured; KV cache: \d+ blocks", caplog.text)
         first, last = llm.engine.executor.startup_reports
         assert first.plan.bytes_per_block == 3 * last.plan.bytes_per_block
         assert first.plan.num_blocks == last.plan.num_blocks
@@ -270,6 +282,15 @@ def test_multiprocess_runs_the_single_process_memory_profile(models):
             assert got.num_blocks > want.num_blocks
 
 
+def test_plans_that_differ_are_refused():
+    plan = plan_kv_cache(budget_bytes=1 << 20, bytes_per_block=4096, block_size=16, max_model_len=64)
+    other = dataclasses.replace(plan, num_blocks=plan.num_blocks - 1)
+    same_blocks = dataclasses.replace(plan, bytes_per_block=2048)  # another stage's layers
+    assert agree_plans([StartupReport(0, 1, None, plan), StartupReport(1, 1, None, same_blocks)]) == plan
+    with pytest.raises(RuntimeError, match=r"the ranks' KV plans differ: rank 0 has \(256, 0, 16, 64, None\), rank 1 \(255, 0, 16, 64, None\)"):
+        agree_plans([StartupReport(0, 1, None, plan), StartupReport(1, 1, None, other)])
+
+
 # ---- a stage process dies ---------------------------------------------------------------------------
 
 
@@ -354,3 +375,31 @@ def test_killed_stage_makes_health_503(models, tmp_path):
         assert server.proc.poll() is None  # the API server stays up to answer 503s
     finally:
         live_server.stop(server)
+
+
+# ---- NCCL on GPUs (runs only where enough NVIDIA GPUs are visible) --------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+def test_cuda_nccl_pipeline_matches_one_gpu(tmp_path, tp, pp):
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < tp * pp:
+        pytest.skip(f"needs {tp * pp} NVIDIA GPUs")
+    # head size 64: one the CUDA kernels support; no --kv-cache-memory: every rank profiles
+    path = str(tiny_llama_dir(tmp_path, seed=4, hidden_size=256, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=LAYERS))
+    cuda = dict(ENGINE, platform="cuda", gpu_memory_utilization=0.3, enforce_eager=True)
+    llm = LLM(model=path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **cuda)
+    try:
+        got = greedy(llm, 512)
+        reports = llm.engine.executor.startup_reports
+    finally:
+        llm.engine.shutdown()
+    assert all(r.peak_bytes is not None for r in reports), "every rank runs the memory profile"
+    one = LLM(model=path, **cuda)
+    try:
+        assert got == greedy(one, 512)
+    finally:
+        one.engine.shutdown()
