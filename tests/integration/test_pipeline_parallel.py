@@ -6,7 +6,10 @@ test_engine_hf.py) through batching (four prompts at once), chunked prefill (a 3
 step budget splits the 40-token prompt) and preemption (six KV blocks, where the four
 requests need nine), with several micro-batches in flight. A stage process killed in the
 middle of a generation ends it with the documented error, and a server's ``/health``
-answers 503. Sizes that cannot work are refused at start with the numbers. The
+answers 503. Without a model, the scheduler driven with 2-4 steps in flight (the fake
+engine of test_scheduler.py, which checks every KV read) never schedules a sequence whose
+token is in flight and gives the reference outputs through chunking, forks, stops and both
+preemption modes. Sizes that cannot work are refused at start with the numbers. The
 multiprocess executor runs the same memory profile and plans the same KV cache as the
 in-process one.
 
@@ -26,6 +29,7 @@ import re
 import signal
 import threading
 import time
+from collections import deque
 
 import httpx2
 import pytest
@@ -44,9 +48,11 @@ from core.kv_plan import plan_kv_cache
 from core.model_runner import RunnerSetup
 from core.models import ModelRegistry
 from core.ops import Ops
+from core.scheduler import Scheduler
 from platforms.cpu.platform import CpuPlatform
 from tests.helpers import tiny_llama_dir, tiny_model_dir
 from tests.integration import live_server
+from tests.unit.test_scheduler import FakeEngine
 
 MAX_NEW = 10
 LAYERS = 4
@@ -158,6 +164,66 @@ def test_each_stage_holds_only_its_layers(models, caplog):
         assert first.weights_bytes > last.weights_bytes
     finally:
         llm.engine.shutdown()
+
+
+# ---- the scheduler with several micro-batches in flight (no model) --------------------------------
+
+
+class PipelineFake(FakeEngine):
+    """tests/unit/test_scheduler.py's fake engine (a simulated KV cache that checks every
+    sequence reads its exact history) driven like the engine core's pipelined loop: up to
+    ``depth`` steps scheduled before the oldest one's tokens reach ``update``. The fake
+    device runs each step when it is scheduled, in order, as every pipeline stage does."""
+
+    def __init__(self, depth: int, num_blocks: int, **cfg):
+        super().__init__(num_blocks, **cfg)
+        self.sched = Scheduler(self.cfg, self.bm, skip_in_flight=True)
+        self.depth, self.queue, self.most = depth, deque(), 0
+
+    def step(self):
+        launched = False
+        if len(self.queue) < self.depth and self.sched.has_unfinished_requests():
+            out = self.sched.schedule()
+            self.history.append(out)
+            self.aborted.update(out.aborted)
+            self._check(out)  # with pipelined=False: nothing scheduled has a token in flight
+            in_flight = {e.seq_id for o, _ in self.queue for e in o.scheduled if e.sample}
+            assert not in_flight & {e.seq_id for e in out.scheduled}
+            result = self._execute(out)
+            if out.scheduled or out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
+                self.queue.append((out, result))
+                launched = True
+            else:
+                self.deltas += self.sched.update(out, result)
+        self.most = max(self.most, len(self.queue))
+        if self.queue and (not launched or len(self.queue) >= self.depth):
+            self.deltas += self.sched.update(*self.queue.popleft())
+        self.bm.check_invariants()
+
+    def run(self, max_steps: int = 5000) -> None:
+        steps = 0
+        while self.sched.has_unfinished_requests() or self.queue:
+            self.step()
+            steps += 1
+            assert steps < max_steps, "the scheduler does not make progress"
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("seed", range(4))
+def test_scheduler_keeps_micro_batches_apart(depth, mode, seed):
+    rng = random.Random(seed)
+    eng = PipelineFake(depth, num_blocks=14, num_host_blocks=16 if mode == "swap" else 0,
+                       max_num_batched_tokens=12, preemption_mode=mode, max_model_len=64)
+    for i in range(10):
+        eng.add(f"r{i}", [rng.randrange(1, 97) for _ in range(rng.randrange(1, 30))],
+                max_tokens=rng.randrange(1, 12), n=rng.choice([1, 1, 2]), stops=rng.random() < 0.3)
+    eng.run()
+    for rid in eng.requests:
+        assert eng.outputs(rid) == eng.expected(rid), rid
+    assert eng.most == depth
+    assert eng.sched.stats().num_preemptions > 0
+    eng.assert_all_free()
 
 
 # ---- sizes refused at start ------------------------------------------------------------------------
