@@ -77,7 +77,7 @@ class EngineCore:
         self.pipeline_depth = self.executor.max_in_flight
         """Micro-batches kept in flight (pipeline parallelism: one per stage)."""
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids,
-                                   skip_in_flight=self.pipeline_depth > 1)
+                                   max_in_flight=self.pipeline_depth)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._pipeline: deque[tuple[SchedulerOutput, StepHandle]] = deque()
         m = config.model

@@ -177,7 +177,7 @@ class PipelineFake(FakeEngine):
 
     def __init__(self, depth: int, num_blocks: int, **cfg):
         super().__init__(num_blocks, **cfg)
-        self.sched = Scheduler(self.cfg, self.bm, skip_in_flight=True)
+        self.sched = Scheduler(self.cfg, self.bm, max_in_flight=depth)
         self.depth, self.queue, self.most = depth, deque(), 0
 
     def step(self):
