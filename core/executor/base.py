@@ -17,7 +17,8 @@ from core.step_handle import DoneStep, ModelRunnerOutput, StepHandle
 
 
 class Executor(ABC):
-    """Runs scheduled steps on one or more workers; rank 0's sampled tokens come back."""
+    """Runs scheduled steps on one or more workers; the sampled tokens of the output rank
+    (tensor-parallel rank 0 of the last pipeline stage) come back."""
 
     supports_async_scheduling: bool = False
     """``launch`` returns before the step has run, and a decode row may carry the
