@@ -83,6 +83,20 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     executor: str = "auto"
     """auto | uni (in-process) | mp (one process per rank) | ray."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages; each holds a contiguous range of the decoder layers and runs on
+    ``tensor_parallel_size`` ranks."""
+    pp_layer_split: tuple[int, ...] | None = None
+    """Decoder layers per stage, first stage first; None: as even as possible, larger
+    shares first (see core.executor.pipeline.split_layers)."""
+    ray_address: str | None = None
+    """The Ray cluster to join (``ray.init(address=...)``); None: Ray's own default
+    (RAY_ADDRESS, a cluster on this host, or a new local one)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: one per device."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

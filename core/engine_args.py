@@ -28,6 +28,19 @@ def parse_size(text: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_layer_split(text: str | tuple | list) -> tuple[int, ...]:
+    """'8,8,7,7' (or a sequence of ints) -> (8, 8, 7, 7); raises ValueError naming the flag."""
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        counts = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ValueError(f"pp_layer_split (--pp-layer-split)={text!r} is invalid: must be layer "
+                         "counts >= 1 per pipeline stage, comma-separated, e.g. 8,8,7,7")
+    return counts
+
+
 # field -> (smallest value, whether None = "decide for me" is allowed)
 _COUNTS = {
     "max_model_len": (1, True),
@@ -38,6 +51,7 @@ _COUNTS = {
     "watermark_blocks": (0, False),
     "max_num_partial_prefills": (1, False),
     "tensor_parallel_size": (1, False),
+    "pipeline_parallel_size": (1, False),
     "max_waiting_requests": (0, True),
     "seed": (0, False),
 }
@@ -131,9 +145,17 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     """how many prompts may be mid-prefill at once"""
     tensor_parallel_size: int = 1
-    """devices to split the model over"""
+    """devices to split every layer over (per pipeline stage)"""
+    pipeline_parallel_size: int = 1
+    """pipeline stages, each holding a range of the layers on its own tensor-parallel devices"""
+    pp_layer_split: str | None = None
+    """decoder layers per pipeline stage, e.g. 8,8,7,7 (default: as even as possible, larger
+    shares first)"""
     executor: str = "auto"
     """where the model runs: uni = this process, mp = one process per rank, ray"""
+    ray_address: str | None = None
+    """Ray cluster to join with --executor ray, e.g. HEAD_IP:6379 (default: RAY_ADDRESS, a
+    cluster on this host, or a new local one)"""
     load_format: str = "auto"
     """checkpoint format; dummy = random weights of the model's shape (benchmarks)"""
     weight_format: str = "auto"

@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from core.attention import AttentionBackend, AttentionMetadata, AttentionSpec, build_metadata
 from core.attention_sites import AttentionSite
 from core.config import EngineConfig
-from core.distributed import Communicator, SingleRank
+from core.executor.distributed import Communicator, SingleRank
 from core.input_batch import PersistentBatch, StepInputs
 from core.model_loader import load_model
 from core.models import ModelContext, ModelRegistry
@@ -65,6 +66,9 @@ class RunnerSetup:
     """A plugin-provided backend class, or None for the platform's choice."""
     comm: Communicator = SingleRank()
     device_index: int = 0
+    stage: Any = None
+    """Pipeline parallelism: this rank's :class:`core.executor.pipeline.PipelineStage`
+    (its layers and its links to the neighbouring stages); None: the whole model."""
 
 
 class ModelRunner:
@@ -121,6 +125,7 @@ class ModelRunner:
             not self.config.enforce_eager
             and Capability.GRAPH_CAPTURE in self.platform.capabilities
             and self.setup.comm.world_size == 1
+            and self.setup.stage is None  # pipeline stages run eagerly too
         )
 
     def load_model(self) -> int:
@@ -135,6 +140,7 @@ class ModelRunner:
             weight_format=self.config.model.weight_format,
             linear_method=linear_method_for(self.platform, self.config.model, self.dtype),
             graph_capture=self._may_use_graphs(),
+            stage=self.setup.stage.layers if self.setup.stage is not None else None,
         )
         self.model = load_model(self.config.model, ctx, self.setup.registry)
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
@@ -193,7 +199,12 @@ class ModelRunner:
         md = _profile_metadata(lens, self.block_size, self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, positions, caches, md)
+        if self.setup.stage is not None:  # pipeline parallelism (core/executor/pipeline.py)
+            hidden = self.setup.stage.profile_forward(self.model, input_ids, positions, caches, md)
+            if hidden is None:  # not the last stage: no logits, no sampler
+                return _profile_done(platform, caches)
+        else:
+            hidden = self.model(input_ids, positions, caches, md)
         rows = sched_cfg.max_num_seqs
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1))
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, seed=None)
@@ -226,7 +237,11 @@ class ModelRunner:
             return DoneStep(ModelRunnerOutput({}, {}))
         step = self._prepare(sched)
         input_ids, positions, md = step.input_ids, step.positions, step.metadata
-        if self.graphs is not None and self.graphs.can_run(md):
+        if self.setup.stage is not None:  # pipeline parallelism (core/executor/pipeline.py)
+            hidden = self.setup.stage.forward(self.model, input_ids, positions, self.kv_caches, md)
+            if hidden is None:  # not the last stage: its activations went to the next one
+                return DoneStep(ModelRunnerOutput({}, {}))
+        elif self.graphs is not None and self.graphs.can_run(md):
             hidden = self.graphs.run(input_ids, positions, md)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
@@ -327,6 +342,15 @@ def _next_prompt_tokens(s: ScheduledSequence) -> list[int]:
     first = s.start_pos + 1
     last = min(s.start_pos + len(s.token_ids), p - 1)
     return list(s.prompt_token_ids[first : last + 1]) if first <= last else []
+
+
+def _profile_done(platform: Platform, caches: list[torch.Tensor]) -> int | None:
+    """The peak of a profile that stops before the logits (a pipeline stage but the last)."""
+    platform.synchronize()
+    peak = platform.peak_memory_bytes()
+    del caches[:]
+    platform.empty_cache()
+    return peak
 
 
 def _profile_metadata(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:

@@ -203,7 +203,8 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset()
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset(),
+        max_in_flight: int = 1,
     ):
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(
@@ -226,6 +227,12 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.eos_token_ids = eos_token_ids
+        self.max_in_flight = max_in_flight
+        """Pipeline parallelism keeps this many steps (micro-batches) in flight. Above 1, a
+        sequence whose sampled token is still in flight is left out of the next steps until
+        ``update`` has it (no step carries a placeholder token), and one step takes at most
+        1/max_in_flight of the live sequences, so that the stages get batches of similar
+        size to overlap on."""
         self._requests: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._next_order = 0
@@ -390,12 +397,18 @@ class Scheduler:
         :meth:`needs_sync` is true)."""
         step = _Step(
             budget=self.config.max_num_batched_tokens,
-            pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1},
+            pending_decodes={s.seq_id for s in self._running.values() if self._remaining(s) == 1
+                             and not (self.max_in_flight > 1 and s.num_pending)},
         )
         candidates = [*self._running.values(), *self._swapped.values(), *self._waiting.values()]
+        share = -(-len(candidates) // self.max_in_flight)  # a micro-batch's share of them
         for seq in sorted(candidates, key=self._key):
+            if self.max_in_flight > 1 and len(step.entries) >= share:
+                break  # the rest go to the next micro-batch
             if seq.seq_id in step.preempted or seq.status.finished:
                 continue  # preempted or aborted earlier in this step
+            if self.max_in_flight > 1 and seq.num_pending:
+                continue  # its token is in an earlier micro-batch still in the pipe
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_running(seq, step)
             elif seq.status is SequenceStatus.SWAPPED:

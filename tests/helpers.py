@@ -28,7 +28,7 @@ from core.attention import build_metadata
 from core.config import ModelConfig
 from core.conformance.tiny_model import SPECIALS
 from core.conformance.tiny_model import TINY_LLAMA as CONFORMANCE_TINY_LLAMA
-from core.distributed import Communicator
+from core.executor.distributed import Communicator
 from core.model_loader import load_config, load_model
 from core.models import ModelContext, ModelRegistry
 from core.ops import Ops

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 
 import torch
 
@@ -25,7 +26,8 @@ from core.config import EngineConfig
 from core.engine_args import EngineArgs
 from core.engine_core.resolve import resolve_config
 from core.engine_core.types import EngineInfo, EngineRequest, RequestDelta
-from core.executor import Executor, UniExecutor
+from core.executor import make_executor
+from core.executor.base import Executor
 from core.model_runner import RunnerSetup
 from core.models import ModelRegistry
 from core.ops import Ops
@@ -72,8 +74,12 @@ class EngineCore:
             self.kv_plan.num_blocks, c.block_size, c.enable_prefix_caching, self.kv_plan.num_host_blocks,
             sliding_window=self.kv_plan.sliding_window,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids)
+        self.pipeline_depth = self.executor.max_in_flight
+        """Micro-batches kept in flight (pipeline parallelism: one per stage)."""
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids,
+                                   max_in_flight=self.pipeline_depth)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._pipeline: deque[tuple[SchedulerOutput, StepHandle]] = deque()
         m = config.model
         caps = platform.capabilities
         self.structured = StructuredOutputs(lambda: load_tokenizer(m.tokenizer, m.gguf_file, m.cache_dir),
@@ -97,12 +103,7 @@ class EngineCore:
             registry=ModelRegistry(plugins.model_architectures()),
             attention_backend_cls=extra.get(requested) if requested else None,
         )
-        tp = self.config.parallel.tensor_parallel_size
-        if tp == 1 and self.config.parallel.executor in ("auto", "uni"):
-            return UniExecutor(setup, eos_ids)
-        from core.distributed_executor import make_distributed_executor
-
-        return make_distributed_executor(setup, eos_ids)
+        return make_executor(setup, eos_ids)
 
     def _async_scheduling(self) -> bool:
         wanted = self.config.async_scheduling
@@ -186,6 +187,8 @@ class EngineCore:
         constrained row runs after the step in flight is known (Scheduler.needs_sync), since
         its token mask follows the tokens so far."""
         deltas = self._release_compiled() if self.structured.has_parked() else []
+        if self.pipeline_depth > 1:
+            return deltas + self._step_pipelined()
         if not self.async_scheduling:
             deltas += self.drain()  # a step launched before the loop was switched to sync
             sched = self._schedule()
@@ -200,12 +203,35 @@ class EngineCore:
             deltas += self._update(previous[0], previous[1].result())
         return deltas
 
+    def _step_pipelined(self) -> list[RequestDelta]:
+        """Pipeline parallelism: launch a new micro-batch while fewer than
+        ``pipeline_depth`` are in flight (the scheduler leaves out sequences whose token is
+        still in flight, so micro-batches hold different sequences); update with the
+        oldest once the pipe is full or nothing new could be scheduled."""
+        launched = False
+        deltas: list[RequestDelta] = []
+        if len(self._pipeline) < self.pipeline_depth and self.scheduler.has_unfinished_requests():
+            sched = self._schedule()
+            if _has_work(sched):
+                self._pipeline.append((sched, self.executor.launch(sched)))
+                launched = True
+            else:  # nothing to run now; still report aborts
+                deltas += self._update(sched, ModelRunnerOutput({}, {}))
+        if self._pipeline and (not launched or len(self._pipeline) >= self.pipeline_depth):
+            sched, handle = self._pipeline.popleft()
+            deltas += self._update(sched, handle.result())
+        return deltas
+
     def drain(self) -> list[RequestDelta]:
-        """Update with the step in flight, if any (its deltas; [] when none)."""
+        """Update with the steps in flight, if any (their deltas; [] when none)."""
+        deltas: list[RequestDelta] = []
+        while self._pipeline:
+            sched, handle = self._pipeline.popleft()
+            deltas += self._update(sched, handle.result())
         if self._in_flight is None:
-            return []
+            return deltas
         (sched, handle), self._in_flight = self._in_flight, None
-        return self._update(sched, handle.result())
+        return deltas + self._update(sched, handle.result())
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -221,14 +247,14 @@ class EngineCore:
 
     def _release_compiled(self) -> list[RequestDelta]:
         """Requests whose grammar compiled join the scheduler (structured output)."""
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None and not self._pipeline:
             self.structured.wait_for_compile()  # nothing else to run: do not spin
         return self.structured.release_ready(self.scheduler.add_request)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished, waits for its grammar, or a step is in flight."""
-        return (self._in_flight is not None or self.scheduler.has_unfinished_requests()
-                or self.structured.has_parked())
+        return (self._in_flight is not None or bool(self._pipeline)
+                or self.scheduler.has_unfinished_requests() or self.structured.has_parked())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -240,6 +266,12 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def _has_work(sched: SchedulerOutput) -> bool:
+    """Whether a schedule needs the executor (sequences to run or KV blocks to move)."""
+    return bool(sched.scheduled or sched.blocks_to_copy or sched.blocks_to_swap_in
+                or sched.blocks_to_swap_out)
 
 
 def load_platform_and_config(args: EngineArgs, plugins: Plugins | None = None) -> tuple[EngineConfig, Platform, Plugins]:

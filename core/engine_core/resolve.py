@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from core.engine_args import EngineArgs, parse_size
+from core.engine_args import EngineArgs, parse_layer_split, parse_size
+from core.executor.parallel_check import validate_parallel
 from core.model_loader import default_model_path, load_config
-from core.parallel_check import validate_parallel
 from core.platform import Platform
 from core.quantization.registry import quantization_for
 
@@ -101,7 +101,13 @@ def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None =
         model=model,
         cache=cache,
         scheduler=sched,
-        parallel=ParallelConfig(args.tensor_parallel_size, args.executor),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            executor=args.executor,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            pp_layer_split=parse_layer_split(args.pp_layer_split) if args.pp_layer_split else None,
+            ray_address=args.ray_address,
+        ),
         platform=platform.name,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

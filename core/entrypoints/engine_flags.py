@@ -31,7 +31,7 @@ from typing import Any
 
 from core.engine_args import CHOICES, EngineArgs
 
-ALIASES = {"tensor_parallel_size": ("-tp",), "quantization": ("-q",)}
+ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "quantization": ("-q",)}
 """Short spellings kept from earlier releases."""
 
 

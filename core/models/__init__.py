@@ -11,6 +11,17 @@ A model class is constructed as ``cls(hf_config, ctx)`` and provides:
   sharding on load for tensor parallelism;
 * ``attention_specs()`` — one :class:`~core.attention.AttentionSpec` per layer, in order.
 
+Pipeline parallelism (optional; a class that implements it sets
+``supports_pipeline_parallel = True``): built with ``ctx.stage`` (a
+:class:`~core.executor.pipeline.StageLayers`), the model holds only the layers of
+``[stage.start, stage.end)`` (the others are :class:`~core.models.layers.MissingLayer`, so
+parameter names keep the checkpoint's layer numbers and their weights are skipped on
+load), the embedding only on the first stage, the final norm and LM head only on the
+last; ``kv_caches`` and ``attention_specs()`` cover its own layers only. ``forward`` takes
+``intermediate`` (None on the first stage: token ids are embedded) and returns the hidden
+state on the last stage, else a dict of the tensors named by ``intermediate_spec(T)``, a
+list of ``(name, shape, dtype)`` that the next stage receives.
+
 Built-in architectures are listed in ``_BUILTIN``; plugins add more through the
 ``core_model_architectures`` hook. Any other causal LM that transformers implements resolves
 to :class:`~core.models.transformers_fallback.TransformersForCausalLM` (transformers' modules
@@ -27,7 +38,7 @@ from typing import Any
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
-from core.distributed import Communicator, SingleRank
+from core.executor.distributed import Communicator, SingleRank
 from core.models.layers import DENSE, LinearMethod
 from core.ops import Ops
 
@@ -68,6 +79,9 @@ class ModelContext:
     graph_capture: bool = False
     """Whether the runner will capture this model's steps in graphs (a model that cannot be
     captured refuses instead of running wrong)."""
+    stage: Any = None
+    """Pipeline parallelism: the :class:`~core.executor.pipeline.StageLayers` this rank
+    holds; None: every layer."""
 
 
 def builtin_architectures() -> frozenset[str]:

@@ -105,6 +105,27 @@ def load_parameter(model: nn.Module, name: str, tensor: torch.Tensor, shard: Any
     _copy_into(param.data, tensor, name)
 
 
+class MissingLayer(nn.Module):
+    """Stands where a module of another pipeline stage would be: no parameters, and its
+    checkpoint weights are skipped on load (see :func:`load_checkpoint`)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a module held by another pipeline stage was called on this one")
+
+
+def _on_other_stage(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` lies under a :class:`MissingLayer` of ``model``."""
+    parts = name.split(".")
+    for n in range(1, len(parts)):
+        try:
+            module = model.get_submodule(".".join(parts[:n]))
+        except AttributeError:
+            return False
+        if isinstance(module, MissingLayer):
+            return True
+    return False
+
+
 def load_checkpoint(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -132,6 +153,8 @@ def load_checkpoint(
             if theirs in name:
                 target, shard = name.replace(theirs, ours), shard_id
                 break
+        if target not in params and _on_other_stage(model, target):
+            continue  # pipeline parallelism: another stage holds this weight
         if target not in params:
             raise ValueError(
                 f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}; "

@@ -20,6 +20,7 @@ from core.attention import AttentionMetadata, AttentionSpec
 from core.models import ModelContext
 from core.models.layers import (
     MergedColumnParallelLinear,
+    MissingLayer,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -208,6 +209,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm; with ``ctx.stage`` (pipeline parallelism)
+    only this stage's share of them (see the pipeline contract in :mod:`core.models`)."""
+
     def __init__(
         self,
         a: LlamaArgs,
@@ -217,13 +221,23 @@ class LlamaModel(nn.Module):
         layer_cls: type[nn.Module],
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ctx)
+        self.start, self.end = (ctx.stage.start, ctx.stage.end) if ctx.stage else (0, a.num_layers)
+        self.is_first = ctx.stage is None or ctx.stage.is_first
+        self.is_last = ctx.stage is None or ctx.stage.is_last
+        self.hidden_size, self.dtype = a.hidden_size, ctx.dtype
+        # The last stage keeps the embedding when the LM head is tied to it.
+        keep_embed = self.is_first or (self.is_last and a.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(a.vocab_size, a.hidden_size, ctx) if keep_embed else MissingLayer()
+        )
         # One cos/sin table shared by every layer (it is [max_position, rotary_dim] floats).
         rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.max_position, a.rope, ctx)
         self.layers = nn.ModuleList(
-            layer_cls(a, ctx, rotary, i, attention_cls, make_mlp) for i in range(a.num_layers)
+            layer_cls(a, ctx, rotary, i, attention_cls, make_mlp) if self.start <= i < self.end
+            else MissingLayer()
+            for i in range(a.num_layers)
         )
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, ctx) if self.is_last else MissingLayer()
 
     def forward(
         self,
@@ -231,12 +245,26 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        intermediate: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:  # a later pipeline stage: the previous stage's hidden state and residual
+            x, residual = intermediate["hidden"], intermediate["residual"]
+        own = self.layers[self.start : self.end]
+        for layer, kv_cache in zip(own, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, metadata)
+        if not self.is_last:
+            # A layer returning residual None (its output is the whole stream, OLMo-2) hands
+            # on zeros: the next layer adds them, exactly.
+            return {"hidden": x, "residual": torch.zeros_like(x) if residual is None else residual}
         # A layer returns residual None when its output already is the residual stream.
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def intermediate_spec(self, num_tokens: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """What one stage sends the next: the hidden state and the residual, [T, hidden]."""
+        shape = (num_tokens, self.hidden_size)
+        return [("hidden", shape, self.dtype), ("residual", shape, self.dtype)]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,7 +274,10 @@ class LlamaForCausalLM(nn.Module):
     (biases, sliding windows), ``attention_cls`` the attention block (Qwen3's q/k norm) and
     ``make_mlp(args, ctx, layer)`` each layer's feed-forward block (MoE families) and
     ``layer_cls`` the decoder layer (OLMo-2's post-norms), called like LlamaDecoderLayer.
+    It implements the pipeline contract of :mod:`core.models` (``ctx.stage``).
     """
+
+    supports_pipeline_parallel = True
 
     def __init__(
         self,
@@ -267,7 +298,10 @@ class LlamaForCausalLM(nn.Module):
             layer_cls or LlamaDecoderLayer,
         )
         tied = self.model.embed_tokens if self.args.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size, ctx, tied=tied)
+        self.lm_head = (
+            ParallelLMHead(self.args.vocab_size, self.args.hidden_size, ctx, tied=tied)
+            if self.model.is_last else MissingLayer()
+        )
 
     def forward(
         self,
@@ -275,16 +309,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, kv_caches, metadata)
+        intermediate: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] (a pipeline
+        stage but the last: the intermediate tensors for the next stage)."""
+        return self.model(input_ids, positions, kv_caches, metadata, intermediate)
+
+    def intermediate_spec(self, num_tokens: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return self.model.intermediate_spec(num_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32 (all ranks' vocabulary slices)."""
         return self.lm_head(hidden)
 
     def attention_specs(self) -> list[AttentionSpec]:
-        return [layer.self_attn.spec for layer in self.model.layers]
+        return [layer.self_attn.spec for layer in self.model.layers[self.model.start : self.model.end]]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(self, weights, STACKED_PARAMS, skip=_skipped(self.args))

@@ -24,11 +24,11 @@ import pytest
 
 from core import LLM, SamplingParams
 from core.config import ParallelConfig
-from core.distributed_executor import worker_visibility
 from core.engine import resolve_config
 from core.engine_args import EngineArgs
-from core.parallel_check import validate_parallel
-from core.worker import WorkerError
+from core.executor.multiproc import worker_visibility
+from core.executor.parallel_check import validate_parallel
+from core.executor.worker import WorkerError
 from platforms.cpu.platform import CpuPlatform
 from tests.helpers import tiny_llama_dir, tiny_model_dir
 
@@ -182,7 +182,7 @@ def with_sizes(config, tp: int, executor: str = "auto", **hf):
         (3, {}, "mp", r"--tensor-parallel-size 3 does not divide the model's 4 attention heads; use a size that divides 4: \[1, 2, 4\]"),
         (3, dict(num_attention_heads=6, num_key_value_heads=4, hidden_size=96), "mp", r"--tensor-parallel-size 3 and the model's 4 KV heads fit neither way.*one of \[1, 2\]"),
         (2, dict(intermediate_size=129), "mp", r"does not divide the model's intermediate size 129"),
-        (2, {}, "uni", r"--executor uni .* cannot run --tensor-parallel-size 2; use --executor mp"),
+        (2, {}, "uni", r"--executor uni .* cannot run --tensor-parallel-size 2 x --pipeline-parallel-size 1; use --executor mp"),
         (0, {}, "mp", r"--tensor-parallel-size must be at least 1, got 0"),
         (2, {}, "spark", r"unknown executor 'spark'"),
     ],
@@ -202,7 +202,7 @@ def test_sizes_that_fit(base_config):
 def test_device_count_is_checked_for_one_host_executors(base_config):
     fake = FakeGpuPlatform()
     validate_parallel(with_sizes(base_config, 2, "mp"), fake)
-    with pytest.raises(ValueError, match=r"needs 4 fakegpu devices but this host has 2 visible \(check FAKEGPU_VISIBLE_DEVICES\); lower the size to at most 2"):
+    with pytest.raises(ValueError, match=r"needs 4 fakegpu devices but this host has 2 visible \(check FAKEGPU_VISIBLE_DEVICES\); lower the sizes to at most 2 devices in all"):
         validate_parallel(with_sizes(base_config, 4, "mp"), fake)
     # A Ray cluster may hold more devices than this host: checked when placing the group.
     validate_parallel(with_sizes(base_config, 4, "ray"), fake)
@@ -210,7 +210,7 @@ def test_device_count_is_checked_for_one_host_executors(base_config):
 
 def test_more_cpu_ranks_than_cores_warn(base_config, caplog):
     tp = 2 * (os.cpu_count() or 1)
-    with caplog.at_level(logging.WARNING, logger="core.parallel_check"):
+    with caplog.at_level(logging.WARNING, logger="core.executor.parallel_check"):
         validate_parallel(with_sizes(base_config, tp, num_attention_heads=tp, num_key_value_heads=tp, intermediate_size=128 * tp), CpuPlatform())
     assert f"starts {tp} worker processes on {os.cpu_count()} CPU cores" in caplog.text
 
@@ -240,7 +240,7 @@ def test_each_worker_sees_its_own_device(monkeypatch, given, expected):
 
 def test_too_few_visible_devices_are_refused(monkeypatch):
     monkeypatch.setenv("FAKEGPU_VISIBLE_DEVICES", "3")
-    with pytest.raises(ValueError, match=r"FAKEGPU_VISIBLE_DEVICES='3' lists 1 device\(s\) but --tensor-parallel-size is 2"):
+    with pytest.raises(ValueError, match=r"FAKEGPU_VISIBLE_DEVICES='3' lists 1 device\(s\) but the engine needs 2 \(--tensor-parallel-size x --pipeline-parallel-size\)"):
         worker_visibility(FakeGpuPlatform(), 1, 2)
 
 
@@ -292,7 +292,7 @@ def test_worker_error_reaches_the_caller(models):
     args = {**ENGINE, "kv_cache_memory": "8KiB"}
     with pytest.raises(ValueError, match=r"max_model_len 256 needs 16 blocks") as info:
         LLM(model=models["llama"].path, tensor_parallel_size=2, **args)
-    assert "raised on tensor-parallel rank" in "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised on parallel rank" in "\n".join(getattr(info.value, "__notes__", []))
 
 
 # ---- Ray executor (one local cluster of 2 CPUs for the module) ------------------------------------
@@ -354,7 +354,7 @@ def test_ray_shutdown_kills_actors_and_frees_the_cluster(ray_cluster, ray_engine
 
 
 def test_ray_refuses_a_group_larger_than_the_cluster(models, ray_cluster):
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4 needs 4 x CPU in the Ray cluster, which has 2"):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4 x --pipeline-parallel-size 1 needs 4 x CPU in the Ray cluster, which has 2"):
         LLM(model=models["llama"].path, tensor_parallel_size=4, executor="ray", **ENGINE)
 
 

@@ -1,9 +1,11 @@
-"""The Ray executor: one Ray actor per tensor-parallel rank, placed by a placement group,
-so that a tensor-parallel group can span the devices of several nodes.
+"""The Ray executor: one Ray actor per rank (``tp x pp``), placed by a placement group
+with one bundle per pipeline stage, so that a tensor-parallel group stays inside one node
+and the stages spread over the nodes of a cluster.
 
 The driver (the engine's process) keeps the scheduler; each actor runs a
-:class:`~core.worker.Worker`. Ray is an optional dependency (``pip install 'core[ray]'``),
-imported only when this executor is built. See docs/distributed.md.
+:class:`~core.executor.worker.Worker`. Ray is an optional dependency
+(``pip install 'core[ray]'``), imported only when this executor is built. See
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -14,18 +16,21 @@ import socket
 import weakref
 from typing import Any
 
-from core.executor import Executor
-from core.kv_plan import KVPlan
-from core.model_runner import ModelRunnerOutput, RunnerSetup
-from core.scheduler import SchedulerOutput
-from core.worker import (
+from core.executor.base import Executor
+from core.executor.startup import StartupReport, agree_plans
+from core.executor.worker import (
     ROOT_CAUSE_WAIT_S,
     Worker,
     WorkerError,
     WorkerSpec,
     last_line,
+    output_rank,
     remote_failure,
 )
+from core.kv_plan import KVPlan
+from core.model_runner import ModelRunnerOutput, RunnerSetup
+from core.scheduler import SchedulerOutput
+from core.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,7 @@ class RayWorkerActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, spec: WorkerSpec) -> KVPlan:
+    def start(self, spec: WorkerSpec) -> StartupReport:
         self.worker = Worker(self.setup, self.eos_token_ids, spec)
         return self.worker.initialize()
 
@@ -113,23 +118,33 @@ class _RayGroup:
 
 
 class RayExecutor(Executor):
-    """One Ray actor per rank, placed with a placement group (one bundle per rank,
-    strategy PACK: as few nodes as possible, spanning nodes when one is not enough).
+    """One Ray actor per rank, placed with a placement group of one bundle per pipeline
+    stage, ``{resource: tp}`` each: a bundle lives on one node, so a tensor-parallel group
+    (all-reduces every layer) never crosses nodes; strategy SPREAD puts the stages on
+    different nodes where the cluster has them (only activations cross between stages).
 
-    Uses the cluster Ray is already connected to in this process; otherwise ``ray.init()``
-    connects to ``RAY_ADDRESS`` (or a cluster running on this host) or starts a local one,
-    which this executor then shuts down with itself. Each schedule is stored once in
-    Ray's object store and passed by reference to every actor.
+    Uses the cluster Ray is already connected to in this process; otherwise
+    ``ray.init(address=--ray-address)`` (None: ``RAY_ADDRESS``, or a cluster running on this
+    host, or a new local one, which this executor then shuts down with itself). Each
+    schedule is stored once in Ray's object store and passed by reference to every actor.
     """
 
     def __init__(self, setup: RunnerSetup, eos_token_ids: frozenset[int]):
         ray = self._ray = _import_ray()
-        self.world_size = setup.config.parallel.tensor_parallel_size
+        par = setup.config.parallel
+        self.world_size = par.world_size
+        self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        self.max_in_flight = self.pp
+        self._output_rank = output_rank(self.world_size, self.pp)
+        self.startup_reports: list = []
+        """Every rank's :class:`~core.executor.startup.StartupReport`, by rank."""
+        self.nodes: list[str] = []
+        """Ray node id of each rank's actor, by rank (after ``initialize``)."""
         self._platform = setup.platform
         self._failure: BaseException | None = None
         owns = not ray.is_initialized()
         if owns:
-            ray.init()
+            ray.init(address=par.ray_address)
         self._group = _RayGroup(ray, owns)
         self._stop = weakref.finalize(self, self._group.close)
         try:
@@ -160,17 +175,28 @@ class RayExecutor(Executor):
             local_rank = seen[node_id] = seen.get(node_id, -1) + 1
             # Ray shows a GPU actor only its own device; otherwise pick by local rank.
             index = local_rank if visible > 1 else 0
-            spec = WorkerSpec(rank, self.world_size, index, init_method)
+            spec = WorkerSpec(rank, self.world_size, index, init_method,
+                              pipeline_parallel_size=self.pp)
             starts.append(self.workers[rank].start.remote(spec))
-        plan = self._gather(starts)[0]
-        hosts = len(seen)
-        logger.info("%d Ray actors on %d node(s); per rank: %s", self.world_size, hosts, plan.describe())
-        return plan
+        self.startup_reports = self._gather(starts)
+        self.nodes = [node_id for node_id, _, _ in nodes]
+        logger.info("%d Ray actors (%d stage(s) of %d) on %d node(s)",
+                    self.world_size, self.pp, self.tp, len(seen))
+        return agree_plans(self.startup_reports)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched).result()
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue the step on every actor (each runs its calls in order); the handle waits
+        for all of them and returns the output rank's result."""
         self._raise_if_failed()
         ref = self._ray.put(sched)
-        return self._gather([a.execute.remote(ref) for a in self.workers])[0]
+        return _RayStep(self, [a.execute.remote(ref) for a in self.workers])
+
+    def _result(self, refs: list[Any]) -> ModelRunnerOutput:
+        self._raise_if_failed()
+        return self._gather(refs)[self._output_rank]
 
     def check_health(self) -> None:
         """Raise if the executor failed or an actor is dead or silent (any thread)."""
@@ -184,7 +210,7 @@ class RayExecutor(Executor):
                 raise self._death(rank, e) from None
             except ray.exceptions.GetTimeoutError:
                 raise WorkerError(
-                    f"tensor-parallel rank {rank}'s Ray actor did not answer a health check "
+                    f"rank {rank}'s Ray actor did not answer a health check "
                     f"within {RAY_HEALTH_TIMEOUT_S:g} s"
                 ) from None
 
@@ -194,26 +220,36 @@ class RayExecutor(Executor):
 
     # ---- internals -----------------------------------------------------------------------
     def _place(self) -> Any:
-        """Create the placement group; refuse with the numbers when the cluster is too small."""
+        """Create the placement group; refuse with the numbers when the cluster is too small
+        in all or when no node can hold one stage's tensor-parallel group."""
         from ray.util.placement_group import placement_group
 
-        ray, n = self._ray, self.world_size
+        ray, n, tp = self._ray, self.world_size, self.tp
         resource = ray_resource(self._platform)
         have = ray.cluster_resources().get(resource, 0)
+        sizes = f"--tensor-parallel-size {tp} x --pipeline-parallel-size {self.pp}"
         if have < n:
             raise ValueError(
-                f"--tensor-parallel-size {n} needs {n} x {resource} in the Ray cluster, which "
-                f"has {have:g}; add nodes (ray start --address=HEAD:6379) or lower the size"
+                f"{sizes} needs {n} x {resource} in the Ray cluster, which has {have:g}; add "
+                f"nodes (ray start --address=HEAD:6379) or lower the sizes"
             )
-        pg = placement_group([{resource: 1}] * n, strategy="PACK")
+        per_node = [node.get("Resources", {}).get(resource, 0) for node in ray.nodes() if node.get("Alive")]
+        if per_node and max(per_node) < tp:
+            raise ValueError(
+                f"{sizes} keeps each stage's {tp} ranks on one node, but no node of the Ray "
+                f"cluster has {tp} {resource} (the most on one node is {max(per_node):g}); "
+                f"lower --tensor-parallel-size and raise --pipeline-parallel-size instead"
+            )
+        pg = placement_group([{resource: tp}] * self.pp, strategy="SPREAD")
         try:
             ray.get(pg.ready(), timeout=RAY_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(pg)
             raise RuntimeError(
-                f"Ray did not grant {n} bundles of {{{resource!r}: 1}} within "
+                f"Ray did not grant {self.pp} bundles of {{{resource!r}: {tp}}} within "
                 f"{RAY_PLACEMENT_TIMEOUT_S:g} s although the cluster has {have:g} {resource}; "
-                f"other jobs hold them: free them or lower --tensor-parallel-size"
+                f"other jobs hold them, or no {self.pp} nodes have {tp} free each: free them "
+                f"or lower the sizes"
             ) from None
         return pg
 
@@ -235,7 +271,7 @@ class RayExecutor(Executor):
             actor_cls.options(
                 **needs,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._group.pg, placement_group_bundle_index=rank
+                    placement_group=self._group.pg, placement_group_bundle_index=rank // self.tp
                 ),
             ).remote(setup_ref, eos_token_ids)
             for rank in range(self.world_size)
@@ -282,7 +318,7 @@ class RayExecutor(Executor):
     def _death(self, rank: int, error: BaseException) -> WorkerError:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return WorkerError(
-            f"tensor-parallel worker rank {rank} (a Ray actor) died: {first}; the engine "
+            f"worker rank {rank} (a Ray actor) died: {first}; the engine "
             f"cannot continue and must be restarted"
         )
 
@@ -298,3 +334,16 @@ class RayExecutor(Executor):
             raise WorkerError(f"the engine's workers failed earlier: {self._failure}")
         if not self._stop.alive:
             raise WorkerError("the executor has been shut down; start a new engine")
+
+
+class _RayStep(StepHandle):
+    """A step queued on every actor; ``result`` gathers it (once)."""
+
+    def __init__(self, executor: RayExecutor, refs: list[Any]):
+        self._executor, self._refs = executor, refs
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._result(self._refs)
+        return self._output

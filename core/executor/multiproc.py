@@ -1,13 +1,16 @@
-"""The multiprocess executor: one spawned worker process per tensor-parallel rank on this
-host, and :func:`make_distributed_executor`, which picks it or the Ray executor.
+"""The multiprocess executor: one spawned worker process per rank (``tp x pp`` of them)
+on this host.
 
 Who does what (see docs/distributed.md): the **driver** is the engine's process; it keeps
 the scheduler and the block manager, sends every step's
-:class:`~core.scheduler.SchedulerOutput` to every worker and waits for rank 0's
+:class:`~core.scheduler.SchedulerOutput` to every worker and waits for the output rank's
 :class:`~core.model_runner.ModelRunnerOutput`. It never touches a device and is not a
-member of the process group. Each **worker** runs a :class:`~core.worker.Worker`.
+member of the process group. Each **worker** runs a :class:`~core.executor.worker.Worker`.
+With pipeline parallelism ``launch`` returns before the step ran, so the engine core can
+put the next micro-batch in the pipe while the stages work on the earlier ones.
 
-Failure: a worker that dies or raises ends the step with a :class:`~core.worker.WorkerError`
+Failure: a worker that dies or raises ends the step with a
+:class:`~core.executor.worker.WorkerError`
 naming the rank (or the worker's own exception, e.g. a ValueError about the KV budget,
 with a note naming the rank). The executor then stops every worker, so none is left
 waiting in a collective, and stays failed: ``execute`` and ``check_health`` raise from
@@ -30,40 +33,28 @@ import weakref
 
 import torch
 
-from core.executor import Executor
-from core.kv_plan import KVPlan
-from core.model_runner import ModelRunnerOutput, RunnerSetup
-from core.platform import Platform
-from core.scheduler import SchedulerOutput
-from core.worker import (
+from core.executor.base import Executor
+from core.executor.startup import agree_plans
+from core.executor.worker import (
     ROOT_CAUSE_WAIT_S,
     Worker,
     WorkerError,
     WorkerSpec,
     error_message,
     last_line,
+    output_rank,
     remote_failure,
 )
+from core.kv_plan import KVPlan
+from core.model_runner import ModelRunnerOutput, RunnerSetup
+from core.platform import Platform
+from core.scheduler import SchedulerOutput
+from core.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
 """How long shutdown waits for workers to exit on their own before terminating them."""
-
-
-def make_distributed_executor(setup: RunnerSetup, eos_token_ids: frozenset[int]) -> Executor:
-    """The executor ``setup.config.parallel.executor`` names (``auto`` means ``mp``)."""
-    kind = setup.config.parallel.executor
-    if kind in ("auto", "mp"):
-        return MultiprocExecutor(setup, eos_token_ids)
-    if kind == "ray":
-        from core.ray_executor import RayExecutor
-
-        return RayExecutor(setup, eos_token_ids)
-    raise ValueError(
-        f"executor {kind!r} cannot run --tensor-parallel-size "
-        f"{setup.config.parallel.tensor_parallel_size}; use mp (one host) or ray"
-    )
 
 
 # ---- the worker process ----------------------------------------------------------------------------
@@ -80,8 +71,8 @@ def _mp_worker_main(
     """Entry point of a worker process: start, report ready, then serve schedules.
 
     Protocol on ``conn``: the driver sends ``(step, SchedulerOutput)`` pickled to bytes,
-    and an empty message to stop; the worker sends ``("ready", plan)`` once, then (rank 0
-    only) ``("out", step, ModelRunnerOutput)`` per schedule, and ``("error", text,
+    and an empty message to stop; the worker sends ``("ready", StartupReport)`` once, then
+    (the output rank only) ``("out", step, ModelRunnerOutput)`` per schedule, and ``("error", text,
     exception)`` if anything fails. The step number lets the driver drop the reply of a
     step it stopped waiting for (an interrupted ``execute``).
     """
@@ -103,7 +94,7 @@ def _mp_worker_main(
                 break
             step, sched = pickle.loads(data)
             out = worker.execute(sched)
-            if spec.rank == 0:
+            if spec.is_output_rank:
                 conn.send_bytes(pickle.dumps(("out", step, out), protocol=pickle.HIGHEST_PROTOCOL))
         worker.close()
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit non-zero
@@ -153,8 +144,9 @@ def worker_visibility(platform: Platform, rank: int, world_size: int) -> tuple[s
     ids = [x.strip() for x in given.split(",") if x.strip()] if given else None
     if ids is not None and rank >= len(ids):
         raise ValueError(
-            f"{var}={given!r} lists {len(ids)} device(s) but --tensor-parallel-size is "
-            f"{world_size}; list more devices or lower the size"
+            f"{var}={given!r} lists {len(ids)} device(s) but the engine needs {world_size} "
+            f"(--tensor-parallel-size x --pipeline-parallel-size); list more devices or "
+            f"lower the sizes"
         )
     return var, ids[rank] if ids is not None else str(rank)
 
@@ -183,7 +175,12 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, setup: RunnerSetup, eos_token_ids: frozenset[int]):
-        self.world_size = setup.config.parallel.tensor_parallel_size
+        par = setup.config.parallel
+        self.world_size = par.world_size
+        self.max_in_flight = par.pipeline_parallel_size
+        self._output_rank = output_rank(self.world_size, par.pipeline_parallel_size)
+        self.startup_reports: list = []
+        """Every rank's :class:`~core.executor.startup.StartupReport`, by rank."""
         self._failure: BaseException | None = None
         self._step = 0
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -202,12 +199,13 @@ class MultiprocExecutor(Executor):
                 device_index=0 if visible[rank] else rank,
                 init_method=init_method,
                 num_threads=threads,
+                pipeline_parallel_size=par.pipeline_parallel_size,
             )
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=_mp_worker_main,
                 args=(setup, eos_token_ids, spec, theirs, visible[rank], os.getpid()),
-                name=f"core-tp-rank{rank}",
+                name=f"core-rank{rank}",
                 daemon=True,  # terminated by multiprocessing if the driver exits normally
             )
             try:
@@ -225,11 +223,17 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self._procs]
 
     def initialize(self) -> KVPlan:
-        plan = self._collect(set(range(self.world_size)), ("ready",))[0][0]
-        logger.info("%d worker processes; per rank: %s", self.world_size, plan.describe())
-        return plan
+        ready = self._collect(set(range(self.world_size)), ("ready",))
+        self.startup_reports = [ready[r][0] for r in range(self.world_size)]
+        logger.info("%d worker processes, pids by rank: %s", self.world_size, self.worker_pids)
+        return agree_plans(self.startup_reports)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched).result()
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Send the step to every worker; its handle waits for the output rank's reply.
+        Handles must be waited for in launch order (the engine core does)."""
         self._raise_if_failed()
         self._step += 1
         data = pickle.dumps((self._step, sched), protocol=pickle.HIGHEST_PROTOCOL)
@@ -238,7 +242,11 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(data)
             except OSError:  # that worker is gone; _collect reports how (death or error)
                 pass
-        return self._collect({0}, ("out", self._step))[0][0]
+        return _MultiprocStep(self, self._step)
+
+    def _result(self, step: int) -> ModelRunnerOutput:
+        self._raise_if_failed()
+        return self._collect({self._output_rank}, ("out", step))[self._output_rank][0]
 
     def check_health(self) -> None:
         """Raise if the executor failed or a worker process is gone (safe from any thread)."""
@@ -308,7 +316,7 @@ class MultiprocExecutor(Executor):
         proc = self._procs[rank]
         proc.join(timeout=1.0)
         return WorkerError(
-            f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: "
+            f"worker rank {rank} (pid {proc.pid}) died: "
             f"{_describe_exit(proc.exitcode)}; the engine cannot continue and must be "
             f"restarted (if it was killed without a reason, check the host's memory: the "
             f"kernel's OOM killer sends SIGKILL)"
@@ -329,6 +337,19 @@ class MultiprocExecutor(Executor):
             raise WorkerError(f"the engine's workers failed earlier: {self._failure}")
         if not self._stop.alive:
             raise WorkerError("the executor has been shut down; start a new engine")
+
+
+class _MultiprocStep(StepHandle):
+    """A step sent to the workers; ``result`` reads the output rank's reply (once)."""
+
+    def __init__(self, executor: MultiprocExecutor, step: int):
+        self._executor, self._step = executor, step
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._result(self._step)
+        return self._output
 
 
 def _stop_processes(procs: list, conns: list) -> None:
