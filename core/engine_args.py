@@ -77,6 +77,9 @@ def validate_engine_args(args: EngineArgs) -> None:
     swap = args.swap_space
     if isinstance(swap, bool) or not isinstance(swap, int | float) or not 0 <= swap < float("inf"):
         raise ValueError(f"{_where('swap_space')}={swap!r} is invalid: must be a number of GiB >= 0")
+    from core.quantization.kv_cache import normalize_kv_cache_dtype  # (imports torch)
+
+    normalize_kv_cache_dtype(args.kv_cache_dtype)
     if args.kv_cache_memory is not None:
         size = parse_size(args.kv_cache_memory) if not isinstance(args.kv_cache_memory, bool) else 0
         if size is None or size <= 0:
@@ -112,6 +115,10 @@ class EngineArgs:
     their own device memory; --kv-cache-memory overrides)"""
     swap_space: float = 0.0
     """GiB of host memory for swapped-out KV blocks"""
+    kv_cache_dtype: str = "auto"
+    """what the KV cache stores: auto (the compute dtype) or fp8 (= fp8_e4m3: float8 with
+    per-layer scales, from the checkpoint when it has them; about twice the tokens of a bf16
+    cache)"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of a shared prompt prefix (--no-prefix-caching: do not)"""
     num_blocks_override: int | None = None
