@@ -48,6 +48,7 @@ CHOICES = {
     "preemption_mode": ("recompute", "swap"),
     "executor": ("auto", "uni", "mp", "ray"),
     "load_format": ("auto", "safetensors", "gguf", "pt", "dummy"),
+    "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),  # see core.quantization.kv_cache
 }
 
 
@@ -65,6 +66,9 @@ def validate_engine_args(args: EngineArgs) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             unset = " or None (automatic)" if optional else ""
             raise ValueError(f"{_where(name)}={value!r} is invalid: must be an integer >= {low}{unset}")
+    from core.quantization.kv_cache import normalize_kv_cache_dtype  # (imports torch)
+
+    normalize_kv_cache_dtype(args.kv_cache_dtype)  # before CHOICES: says why e5m2 & co. are not
     for name, allowed in CHOICES.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"{_where(name)}={getattr(args, name)!r} is invalid: must be one of {', '.join(allowed)}")
@@ -77,9 +81,6 @@ def validate_engine_args(args: EngineArgs) -> None:
     swap = args.swap_space
     if isinstance(swap, bool) or not isinstance(swap, int | float) or not 0 <= swap < float("inf"):
         raise ValueError(f"{_where('swap_space')}={swap!r} is invalid: must be a number of GiB >= 0")
-    from core.quantization.kv_cache import normalize_kv_cache_dtype  # (imports torch)
-
-    normalize_kv_cache_dtype(args.kv_cache_dtype)
     if args.kv_cache_memory is not None:
         size = parse_size(args.kv_cache_memory) if not isinstance(args.kv_cache_memory, bool) else 0
         if size is None or size <= 0:

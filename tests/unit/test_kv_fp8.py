@@ -253,3 +253,14 @@ def test_checkpoint_scale_problems_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"\{'strategy': 'attn_head'\}.*static per-tensor"):
         checkpoint_kv_scales(_Cfg(tmp_path / "c", {"kv_cache_scheme": per_head}))
     assert checkpoint_kv_scales(_Cfg(tmp_path / "nothing-here")) == {}
+
+
+def test_cuda_decode_tiles_over_an_fp8_cache():
+    """An fp8 cache serves groups above 4 in tiles of 4 query heads (csrc paged_decode.cuh)."""
+    from platforms.cuda.attention import check_spec, head_tiles
+
+    assert [head_tiles(2 * g, 2, fp8_cache=True) for g in (1, 4, 6, 8)] == [1, 1, 2, 2]
+    assert [head_tiles(2 * g, 2) for g in (1, 4, 6, 8)] == [1, 1, 1, 1]
+    check_spec(fp8_spec(torch.bfloat16, head=256))  # head 256 over fp8: accepted
+    with pytest.raises(ValueError, match=r"KV cache dtype torch.float8_e5m2"):
+        check_spec(AttentionSpec(4, 2, 64, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e5m2))
