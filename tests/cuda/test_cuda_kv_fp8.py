@@ -158,3 +158,28 @@ def test_backend_matches_the_cpu_backend_over_the_same_fp8_cache(dtype, group):
     got = cuda.forward(q.cuda(), k.cuda(), v.cuda(), cuda_cache, md_cuda).cpu()
     assert torch.equal(cuda_cache.view(torch.uint8).cpu().permute(1, 0, 3, 2, 4), cpu_cache.view(torch.uint8))
     assert rel_error(got, want) < 2 * TOLERANCE[dtype]
+
+
+def test_tiny_llama_on_cuda_with_fp8_kv_agrees_with_the_cpu_fp8_cache(tmp_path):
+    """The engine end to end (cache write, graphs, prompts, decode) in fp32 over an fp8 cache on
+    both platforms: teacher-forced top-1 agreement, printed; both read the same fp8 values up
+    to the rounding of the keys and values that produced them."""
+    from core import LLM
+    from tests.helpers import tiny_llama_dir
+    from tests.integration.test_engine_hf import random_prompts
+    from tests.integration.test_kv_fp8_engine import _greedy, _top1
+
+    path = tiny_llama_dir(tmp_path, seed=4, hidden_size=256, intermediate_size=512,
+                          num_attention_heads=4, num_key_value_heads=2)  # head 64: the kernels' size
+    prompts = random_prompts(8, 512, seed=9, lo=5, hi=60)
+    common = dict(model=str(path), dtype="float32", block_size=16, kv_cache_memory="64MiB",
+                  kv_cache_dtype="fp8")
+    cpu = LLM(platform="cpu", **common)
+    seqs = [p + g for p, g in zip(prompts, _greedy(cpu, prompts))]
+    want = torch.tensor(sum(_top1(cpu, seqs), []))
+    gpu = LLM(platform="cuda", **common)
+    assert {c.dtype for c in gpu.engine.executor.runner.kv_caches} == {FP8}
+    got = torch.tensor(sum(_top1(gpu, seqs), []))
+    rate = float((got == want).float().mean())
+    print(f"\nfp8 KV, cuda vs cpu: teacher-forced top-1 agreement {rate:.3f} over {want.numel()} positions")
+    assert rate >= 0.9
