@@ -222,12 +222,13 @@ class CudaPagedAttention(AttentionBackend):
         else:
             blocks = kv_cache.index_select(0, ids)  # [nb, 2, Hkv, bs, D]
         kv = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :length]  # [2, Hkv, length, D]
-        if self.spec.fp8_cache:
-            scales = torch.tensor(self._scales, device=kv.device).view(2, 1, 1, 1)
-            kv = (kv.float() * scales).to(self.spec.dtype)
+        k, v = kv[0], kv[1]
+        if self.spec.fp8_cache:  # python-float scales: no host->device copy per layer
+            k = (k.float() * self._scales[0]).to(self.spec.dtype)
+            v = (v.float() * self._scales[1]).to(self.spec.dtype)
         if self.group > 1:
-            kv = kv.repeat_interleave(self.group, dim=1)
-        return kv[0], kv[1]
+            k, v = k.repeat_interleave(self.group, dim=0), v.repeat_interleave(self.group, dim=0)
+        return k, v
 
     def _mask(self, q_len: int, kv_len: int, device: torch.device):
         """Causal mask aligned to the end (query t sits at position kv_len - q_len + t)."""

@@ -264,3 +264,42 @@ def test_cuda_decode_tiles_over_an_fp8_cache():
     check_spec(fp8_spec(torch.bfloat16, head=256))  # head 256 over fp8: accepted
     with pytest.raises(ValueError, match=r"KV cache dtype torch.float8_e5m2"):
         check_spec(AttentionSpec(4, 2, 64, torch.bfloat16, 16, kv_cache_dtype=torch.float8_e5m2))
+
+
+class _TorchCacheOps:
+    """The CUDA layout's reshape_and_cache written here in plain torch, so the CUDA backend's
+    prompt path (gather, dequantize, SDPA) runs on the CPU."""
+
+    @staticmethod
+    def reshape_and_cache(key, value, cache, slots, k_scale=1.0, v_scale=1.0):
+        bs = cache.shape[3]
+        keep = slots >= 0
+        blocks, offs = slots[keep] // bs, slots[keep] % bs
+        raw = cache.view(torch.uint8)
+        raw[blocks, 0, :, offs, :] = ref_codes(key[keep], k_scale).view(torch.uint8)
+        raw[blocks, 1, :, offs, :] = ref_codes(value[keep], v_scale).view(torch.uint8)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window,cap", [(None, None), (19, None), (None, 20.0)])
+def test_cuda_backend_prompts_over_fp8_match_the_cpu_backend(group, window, cap):
+    """The CUDA backend's prompt rows (a fresh prompt and a chunk over cached context) read
+    the fp8 cache as the CPU backend does; decode rows need the GPU (tests/cuda)."""
+    from platforms.cuda.attention import CudaPagedAttention
+
+    g = torch.Generator().manual_seed(17)
+    spec = fp8_spec(torch.float32, heads=2 * group, kv_heads=2, head=64, k_scale=0.01, v_scale=0.03,
+                    window=window, cap=cap)
+    cuda, cpu = CudaPagedAttention(spec, ops=_TorchCacheOps()), CpuAttentionBackend(spec)
+    cuda_cache, cpu_cache = cuda.allocate_kv_cache(20, "cpu"), cpu.allocate_kv_cache(20, "cpu")
+    codes = torch.randint(0, 256, cuda_cache.shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x30
+    cuda_cache.view(torch.uint8).copy_(codes)
+    cpu_cache.view(torch.uint8).copy_(codes.permute(1, 0, 3, 2, 4))  # -> [2, blocks, bs, kvh, d]
+    md = build_metadata([37, 12], [0, 20], [[3, 9, 1], [2, 7]], 16, num_prefills=2)
+    q = torch.randn(49, 2 * group, 64, generator=g)
+    k, v = torch.randn(49, 2, 64, generator=g), torch.randn(49, 2, 64, generator=g)
+    want = cpu.forward(q, k, v, cpu_cache, md)
+    got = cuda.forward(q, k, v, cuda_cache, md)
+    assert torch.equal(cuda_cache.view(torch.uint8).permute(1, 0, 3, 2, 4), cpu_cache.view(torch.uint8))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
