@@ -143,14 +143,51 @@ def _cached_logical(cache, table, length, spec):
     return k, v
 
 
-@pytest.mark.parametrize("backend_cls", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window,cap", [(None, None), (21, None), (None, 30.0)])
-def test_mixed_batch_matches_reference_on_dequantized_kv(backend_cls, dtype, window, cap):
+def _isas():
+    from platforms.cpu.kernels import kernels_or_none
+
+    kernels = kernels_or_none()
+    return list(kernels.cpu_isas()) if kernels is not None else ["none"]
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    """Each instruction-set path of the CPU kernels this machine runs, in turn."""
+    if request.param == "none":
+        yield None
+        return
+    from platforms.cpu.kernels import load_kernels
+
+    assert load_kernels().set_cpu_isa(request.param) == request.param
+    yield request.param
+    load_kernels().set_cpu_isa("auto")
+
+
+CASES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+WINDOWS = pytest.mark.parametrize("window,cap", [(None, None), (21, None), (None, 30.0)])
+HEADS = pytest.mark.parametrize("head,group", [(64, 4), (128, 2), (48, 3)])
+
+
+@CASES
+@WINDOWS
+@HEADS
+def test_kernel_backend_mixed_batch_matches_reference(dtype, window, cap, head, group, isa):
+    """On every ISA path this CPU runs (head 48 has no vector path: the portable one runs)."""
+    _check_mixed_batch(CpuPagedAttentionBackend, dtype, window, cap, head, group)
+
+
+@CASES
+@WINDOWS
+@HEADS
+def test_torch_backend_mixed_batch_matches_reference(dtype, window, cap, head, group):
+    _check_mixed_batch(CpuAttentionBackend, dtype, window, cap, head, group)
+
+
+def _check_mixed_batch(backend_cls, dtype, window, cap, head, group):
     """A fresh prompt, a chunk over cached context and two decodes in one step; the cache's
     untouched parts hold random codes of every magnitude (subnormals included)."""
     g = torch.Generator().manual_seed(11)
-    spec = fp8_spec(dtype, heads=8, kv_heads=2, head=64, block=16, k_scale=0.004, v_scale=0.01,
+    spec = fp8_spec(dtype, heads=2 * group, kv_heads=2, head=head, block=16, k_scale=0.004, v_scale=0.01,
                     window=window, cap=cap)
     backend = backend_cls(spec)
     cache = backend.allocate_kv_cache(24, "cpu")
@@ -161,9 +198,9 @@ def test_mixed_batch_matches_reference_on_dequantized_kv(backend_cls, dtype, win
     query_lens, context = [19, 13, 1, 1], [0, 30, 27, 40]
     md = build_metadata(query_lens, context, tables, 16, num_prefills=2)
     t = sum(query_lens)
-    query = torch.randn(t, 8, 64, generator=g).to(dtype)
-    key = torch.randn(t, 2, 64, generator=g).to(dtype)
-    value = torch.randn(t, 2, 64, generator=g).to(dtype)
+    query = torch.randn(t, 2 * group, head, generator=g).to(dtype)
+    key = torch.randn(t, 2, head, generator=g).to(dtype)
+    value = torch.randn(t, 2, head, generator=g).to(dtype)
     out = backend.forward(query, key, value, cache, md)
     keys, values = zip(*(_cached_logical(cache, tb, c + q, spec) for tb, c, q in zip(tables, context, query_lens)))
     expected = reference_attention(query.double(), list(keys), list(values), query_lens, spec.softmax_scale,
@@ -171,7 +208,7 @@ def test_mixed_batch_matches_reference_on_dequantized_kv(backend_cls, dtype, win
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     # and the step's own keys went in as the reference codes
-    assert torch.equal(cache.view(torch.uint8)[0].view(-1, 2, 64)[md.slot_mapping],
+    assert torch.equal(cache.view(torch.uint8)[0].view(-1, 2, head)[md.slot_mapping],
                        ref_codes(key, spec.k_scale).view(torch.uint8))
 
 
