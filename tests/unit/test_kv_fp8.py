@@ -340,3 +340,14 @@ def test_cuda_backend_prompts_over_fp8_match_the_cpu_backend(group, window, cap)
     got = cuda.forward(q, k, v, cuda_cache, md)
     assert torch.equal(cuda_cache.view(torch.uint8).permute(1, 0, 3, 2, 4), cpu_cache.view(torch.uint8))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_core_platforms_lists_the_kv_cache_dtypes(capsys):
+    import argparse
+
+    from core.entrypoints.cli import cmd_platforms
+
+    assert cmd_platforms(argparse.Namespace(platform=None)) == 0
+    out = " ".join(capsys.readouterr().out.split())  # table cells wrap
+    assert out.count("[kv cache: auto, fp8_e4m3]") == 2  # cpu and cuda
+    assert "[kv cache: auto]" in out  # every other platform
