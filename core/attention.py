@@ -28,7 +28,7 @@ class AttentionSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
-    """Dtype of query/key/value and of the KV cache."""
+    """Dtype of query/key/value (and of the KV cache unless ``kv_cache_dtype`` is set)."""
     block_size: int
     scale: float | None = None
     """Softmax scale; None means 1/sqrt(head_size)."""
@@ -37,10 +37,28 @@ class AttentionSpec:
     logits_soft_cap: float | None = None
     """Scaled scores ``s`` become ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2);
     None: no capping. Only backends with ``supports_logits_soft_cap`` accept it."""
+    kv_cache_dtype: torch.dtype | None = None
+    """What the cache stores when it is not ``dtype``: ``torch.float8_e4m3fn`` holds keys as
+    ``fp8(clamp(k * (1 / k_scale)))`` and values likewise with ``v_scale``, read back times
+    the scale (:mod:`core.quantization.kv_cache`). Only backends with
+    ``supports_fp8_kv_cache`` accept it. None: the cache is ``dtype``."""
+    k_scale: float = 1.0
+    """Per-layer scale of the FP8 cache's keys (ignored without ``kv_cache_dtype``)."""
+    v_scale: float = 1.0
+    """Per-layer scale of the FP8 cache's values."""
 
     @property
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_size)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache tensor holds."""
+        return self.kv_cache_dtype if self.kv_cache_dtype is not None else self.dtype
+
+    @property
+    def fp8_cache(self) -> bool:
+        return self.kv_cache_dtype == torch.float8_e4m3fn
 
 
 def shared_sliding_window(specs: list[AttentionSpec]) -> int | None:
@@ -192,8 +210,19 @@ class AttentionBackend(ABC):
     supports_logits_soft_cap: bool = False
     """Whether :meth:`forward` applies ``spec.logits_soft_cap``; a backend that does not is
     refused for such a layer instead of silently attending without the cap."""
+    supports_fp8_kv_cache: bool = False
+    """Whether the backend stores and reads ``spec.kv_cache_dtype = torch.float8_e4m3fn``
+    (with the spec's scales); a backend that does not is refused for such a layer."""
 
     def __init__(self, spec: AttentionSpec):
+        if spec.kv_cache_dtype not in (None, spec.dtype) and not (
+            spec.fp8_cache and self.supports_fp8_kv_cache
+        ):
+            raise ValueError(
+                f"attention backend {self.name!r} cannot keep a {spec.kv_cache_dtype} KV cache "
+                f"(--kv-cache-dtype); use --kv-cache-dtype auto, or a platform whose backend "
+                f"does (see `core platforms`)"
+            )
         if spec.logits_soft_cap is not None and not self.supports_logits_soft_cap:
             raise ValueError(
                 f"attention backend {self.name!r} does not implement attention logit "
@@ -221,7 +250,7 @@ class AttentionBackend(ABC):
         """Allocate one layer's cache. Default: zeros of :meth:`kv_cache_shape`."""
         s = self.spec
         shape = self.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size)
-        return torch.zeros(shape, dtype=s.dtype, device=device, pin_memory=pin_memory)
+        return torch.zeros(shape, dtype=s.cache_dtype, device=device, pin_memory=pin_memory)
 
     # ---- cache ops ----------------------------------------------------------------
     @abstractmethod
@@ -282,6 +311,12 @@ class AttentionBackend(ABC):
 # --------------------------------------------------------------------------------------
 
 
+def _movable(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` itself, or its bytes for a float8 cache (torch's CPU index_copy_ has no
+    float8 kernel; moving bytes is the same copy)."""
+    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+
+
 def _block_ids(pairs: torch.Tensor, column: int, device: torch.device) -> torch.Tensor:
     # dtype first, then device: one host-side conversion, one transfer (also what XLA wants)
     return pairs[:, column].to(dtype=torch.long).to(device)
@@ -300,6 +335,7 @@ def index_copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor, block_
                 _block_ids(pairs, 1, cache.device),
             )
         src, dst = ids[cache.device]
+        cache = _movable(cache)
         cache.index_copy_(block_dim, dst, cache.index_select(block_dim, src))
 
 
@@ -312,6 +348,7 @@ def index_swap_blocks(
         return
     s = _block_ids(pairs, 0, src.device)
     d = _block_ids(pairs, 1, dst.device)
+    src, dst = _movable(src), _movable(dst)
     dst.index_copy_(block_dim, d, src.index_select(block_dim, s).to(dst.device))
 
 

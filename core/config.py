@@ -57,6 +57,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None
     """Force the number of KV blocks (tests, debugging)."""
+    cache_dtype: str = "auto"
+    """What the KV cache stores: auto (the compute dtype) or fp8_e4m3 (float8 with per-layer
+    scales, see core.quantization.kv_cache)."""
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ CHOICES = {
     "preemption_mode": ("recompute", "swap"),
     "executor": ("auto", "uni", "mp", "ray"),
     "load_format": ("auto", "safetensors", "gguf", "pt", "dummy"),
+    "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),  # see core.quantization.kv_cache
 }
 
 
@@ -79,6 +80,9 @@ def validate_engine_args(args: EngineArgs) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             unset = " or None (automatic)" if optional else ""
             raise ValueError(f"{_where(name)}={value!r} is invalid: must be an integer >= {low}{unset}")
+    from core.quantization.kv_cache import normalize_kv_cache_dtype  # (imports torch)
+
+    normalize_kv_cache_dtype(args.kv_cache_dtype)  # before CHOICES: says why e5m2 & co. are not
     for name, allowed in CHOICES.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"{_where(name)}={getattr(args, name)!r} is invalid: must be one of {', '.join(allowed)}")
@@ -126,6 +130,10 @@ class EngineArgs:
     their own device memory; --kv-cache-memory overrides)"""
     swap_space: float = 0.0
     """GiB of host memory for swapped-out KV blocks"""
+    kv_cache_dtype: str = "auto"
+    """what the KV cache stores: auto (the compute dtype) or fp8 (= fp8_e4m3: float8 with
+    per-layer scales, from the checkpoint when it has them; about twice the tokens of a bf16
+    cache)"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of a shared prompt prefix (--no-prefix-caching: do not)"""
     num_blocks_override: int | None = None

@@ -24,6 +24,7 @@ from core.ops import Ops
 from core.outputs import Logprob
 from core.platform import Capability, DecodeGraphRunner, DecodeGraphSpec, Platform
 from core.pooling import PoolingState
+from core.quantization.kv_cache import KVCacheFormat, describe_kv_dtype, kv_cache_format
 from core.quantization.linear import linear_method_for
 from core.sampler import Sampler, Staging, prompt_logprobs
 from core.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class ModelRunner:
         self.host_caches: list[torch.Tensor] = []
         self._backends: list[AttentionBackend] = []
         self._sites: list[AttentionSite] = []
+        self._kv_format = KVCacheFormat()  # set by load_model (--kv-cache-dtype, KV scales)
         self.graphs: DecodeGraphRunner | None = None
         caps = self.platform.capabilities
         # Page-locked staging only pays where the device has memory of its own.
@@ -106,6 +108,7 @@ class ModelRunner:
 
     # ---- setup --------------------------------------------------------------------------
     def _make_attention(self, spec: AttentionSpec) -> AttentionBackend | AttentionSite:
+        spec = self._kv_format.spec_for(spec, len(self._backends))
         cls = self.setup.attention_backend_cls or self.platform.attention_backend_class(
             spec, self.config.attention_backend
         )
@@ -130,6 +133,7 @@ class ModelRunner:
 
     def load_model(self) -> int:
         """Load weights onto the device; returns the bytes the weights occupy."""
+        self._kv_format = kv_cache_format(self.config.model, self.config.cache.cache_dtype)
         ctx = ModelContext(
             dtype=self.dtype,
             device=self.device,
@@ -143,6 +147,7 @@ class ModelRunner:
             stage=self.setup.stage.layers if self.setup.stage is not None else None,
         )
         self.model = load_model(self.config.model, ctx, self.setup.registry)
+        self._kv_format.check_layers(len(self._backends))
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for b in self.model.buffers()
         )
@@ -150,14 +155,16 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block of every layer's cache takes (keys and values)."""
         total = 0
-        for spec in self.model.attention_specs():
-            total += 2 * spec.num_kv_heads * spec.head_size * self.block_size * spec.dtype.itemsize
+        for spec in (b.spec for b in self._backends):  # the specs the caches are made from
+            total += 2 * spec.num_kv_heads * spec.head_size * self.block_size * spec.cache_dtype.itemsize
         return total
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         """Allocate the caches, then (where the platform captures graphs, and not under
         ``enforce_eager``) set up decode-step graphs over them."""
         self.kv_caches = [b.allocate_kv_cache(num_blocks, self.device) for b in self._backends]
+        if self._kv_format.dtype is not None:
+            logger.info(describe_kv_dtype([b.spec for b in self._backends], num_blocks, self.block_size))
         self.host_caches = [
             b.allocate_kv_cache(num_host_blocks, "cpu", pin_memory=self.pin_host)
             for b in self._backends

@@ -291,6 +291,14 @@ class Platform(ABC):
         while loading, as every platform can)."""
         return {"gguf": None}
 
+    @classmethod
+    def kv_cache_dtypes(cls) -> tuple[str, ...]:
+        """KV cache dtypes besides the compute dtype (``auto``) that this platform's attention
+        backends store and read: ``"fp8_e4m3"`` for the FP8 KV cache (see
+        :mod:`core.quantization.kv_cache`). ``--kv-cache-dtype`` is refused at start for any
+        other. Default: none."""
+        return ()
+
     # ---- memory planning ------------------------------------------------------------
     def kv_cache_budget(
         self, requested_bytes: int | None, memory_utilization: float, weights_bytes: int

@@ -2,6 +2,7 @@
 // copy-on-write across all layers (copy_blocks), and move blocks between device and host
 // (swap_blocks). Layout: see launchers.h.
 #include "cuda_compat.h"
+#include "dtype_traits.cuh"
 #include "launchers.h"
 
 namespace core_kernels {
@@ -39,6 +40,56 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheArgs a) {
   }
 }
 
+#if CORE_HAS_FP8_KV
+// FP8 cache: one CTA per token, one thread per element (rows are a few hundred bytes; the
+// write is a sliver of a step). Each code is fp8(x * inv_scale) with saturation, the rounding
+// of torch's clamp(-448, 448).to(float8_e4m3fn) (core/quantization/kv_cache.py).
+template <typename ST>
+__global__ void reshape_and_cache_fp8_kernel(const ReshapeAndCacheArgs a) {
+  const int t = blockIdx.x;
+  const int64_t slot = a.slot_mapping[t];
+  if (slot < 0) return;  // padding token: never written
+  const int64_t block = slot / a.block_size;
+  const int offset = static_cast<int>(slot % a.block_size);
+  const int64_t tile = int64_t(a.head_size) * a.block_size;  // bytes of one (block, kv head)
+  const int64_t kv = tile * a.num_kv_heads;                   // keys -> values
+  uint8_t* dst = static_cast<uint8_t*>(a.kv_cache) + block * 2 * kv + offset * a.head_size;
+  const auto* key = static_cast<const typename ST::Storage*>(a.key);
+  const auto* value = static_cast<const typename ST::Storage*>(a.value);
+  for (int i = threadIdx.x; i < a.num_kv_heads * a.head_size; i += blockDim.x) {
+    const int h = i / a.head_size;
+    const int d = i % a.head_size;
+    const float k = ST::to_float1(key[t * a.key_stride_tok + h * a.key_stride_head + d]);
+    const float v = ST::to_float1(value[t * a.value_stride_tok + h * a.value_stride_head + d]);
+    dst[h * tile + d] = float_to_fp8_e4m3_bits(k * a.k_inv_scale);
+    dst[kv + h * tile + d] = float_to_fp8_e4m3_bits(v * a.v_inv_scale);
+  }
+}
+#endif
+
+static cudaError_t reshape_and_cache_fp8(const ReshapeAndCacheArgs& a, cudaStream_t stream) {
+#if CORE_HAS_FP8_KV
+  const int n = a.num_kv_heads * a.head_size;
+  const int threads = n >= 256 ? 256 : ((n + 31) / 32) * 32;
+  switch (a.src_dtype) {
+    case DType::kFloat16:
+      reshape_and_cache_fp8_kernel<Fp16><<<a.num_tokens, threads, 0, stream>>>(a);
+      break;
+    case DType::kBFloat16:
+      reshape_and_cache_fp8_kernel<Bf16><<<a.num_tokens, threads, 0, stream>>>(a);
+      break;
+    case DType::kFloat32:
+      reshape_and_cache_fp8_kernel<Fp32><<<a.num_tokens, threads, 0, stream>>>(a);
+      break;
+  }
+  return cudaGetLastError();
+#else
+  (void)a;
+  (void)stream;
+  return cudaErrorInvalidValue;  // not built for ROCm: the platform refuses an fp8 cache
+#endif
+}
+
 // Largest power-of-two word size (<= 16 bytes) dividing every byte offset in `offsets`.
 static int common_alignment(const int64_t* offsets, int n) {
   int64_t bits = 16;
@@ -48,6 +99,7 @@ static int common_alignment(const int64_t* offsets, int n) {
 
 cudaError_t reshape_and_cache(const ReshapeAndCacheArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
+  if (a.cache_fp8) return reshape_and_cache_fp8(a, stream);
   const int64_t e = a.elem_size;
   const int64_t offsets[] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.key)),
                              static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.value)),

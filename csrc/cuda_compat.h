@@ -15,6 +15,7 @@
 #include <hip/hip_runtime.h>
 #else
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -141,6 +142,33 @@ __device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
 __device__ __forceinline__ uint16_t float_to_half_bits(float x) {
   return __half_as_ushort(__float2half_rn(x));
 }
+
+// ---- 8-bit floats (e4m3, OCP "fn"), as raw bits -------------------------------------------
+// The FP8 KV cache (core/quantization/kv_cache.py) keeps e4m3 codes as uint8_t. CUDA converts
+// with the toolkit's intrinsics (one cvt instruction per pair on sm_89+, cuda_fp8.h's software
+// path on older targets); both round to nearest even like torch's CPU conversion. HIP builds do
+// not instantiate the fp8 cache kernels (CORE_HAS_FP8_KV 0: MI300's native fp8 is e4m3fnuz, a
+// different format): the ROCm platform refuses --kv-cache-dtype fp8 at start.
+#ifdef USE_ROCM
+#define CORE_HAS_FP8_KV 0
+#else
+#define CORE_HAS_FP8_KV 1
+
+// Two e4m3 codes (the low byte is the first) -> two floats, exactly.
+__device__ __forceinline__ float2 fp8x2_e4m3_bits_to_float2(uint16_t bits) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(bits, __NV_E4M3);
+  uint32_t w;
+  static_assert(sizeof(h) == sizeof(w), "__half2_raw must be 32 bits");
+  __builtin_memcpy(&w, &h, sizeof(w));
+  return half2_bits_to_float2(w);
+}
+
+// float -> e4m3 code, rounded to nearest even; beyond +-448 (and +-inf) saturates to +-448,
+// NaN stays NaN: the result of torch's clamp(-448, 448).to(float8_e4m3fn).
+__device__ __forceinline__ uint8_t float_to_fp8_e4m3_bits(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+#endif
 
 // ---- asynchronous global -> shared copies ------------------------------------------------
 // On NVIDIA sm_80+ these are cp.async copies of 16 bytes that bypass L1 and registers,

@@ -44,26 +44,33 @@ struct DecodeArgs {
   int partition;       // 0: single pass (v1); else tokens per partition (v2), % 16 == 0
   int max_parts;       // v2: partitions of the longest sequence (grid size)
   int sliding_window;  // 0: none; else attend to the last `sliding_window` tokens
-  float scale;         // softmax scale applied to q.k
+  float scale;         // softmax scale applied to q.k (times k_scale over an fp8 cache)
   float soft_cap;      // 0: none; else scaled scores s become soft_cap * tanh(s / soft_cap)
-  DType dtype;
+  float v_scale;       // multiplies the output: the fp8 cache's value scale, else 1
+  DType dtype;         // of query and out (and of the cache unless kv_fp8)
+  int kv_fp8;          // 1: the cache holds float8 e4m3 codes (core/quantization/kv_cache.py)
 };
 
 // Launches v1 (args.partition == 0) or v2 (split-KV kernel + reduce kernel). Returns the
-// launch error, if any. Requires head_size in {64, 128} (or 256 in fp16/bf16; on ROCm with
-// query groups of at most 4), block_size a power of two >= 16,
-// 16-byte aligned rows, and num_q_heads % num_kv_heads == 0.
+// launch error, if any. Requires head_size in {64, 128} (or 256 in fp16/bf16, or over an fp8
+// cache; on ROCm with query groups of at most 4), block_size a power of two >= 16,
+// 16-byte aligned rows, and num_q_heads % num_kv_heads == 0. An fp8 cache (kv_fp8) is not
+// built for ROCm (cudaErrorInvalidValue there).
 cudaError_t paged_decode(const DecodeArgs& args, cudaStream_t stream);
 
 // Per-dtype halves of paged_decode, one translation unit each (they compile in parallel).
 cudaError_t paged_decode_fp16(const DecodeArgs& args, cudaStream_t stream);
 cudaError_t paged_decode_bf16(const DecodeArgs& args, cudaStream_t stream);
 cudaError_t paged_decode_fp32(const DecodeArgs& args, cudaStream_t stream);
+// Any query dtype over an fp8 cache.
+cudaError_t paged_decode_fp8(const DecodeArgs& args, cudaStream_t stream);
 
 // ---- cache ops --------------------------------------------------------------------------------
 // Writes token t's key/value rows ([num_kv_heads, head_size], strides in elements, last dim
 // contiguous) into the cache at slot_mapping[t] = block * block_size + offset. Tokens with a
-// negative slot are padding and are skipped.
+// negative slot are padding and are skipped. An fp8 cache (cache_fp8) stores each element x of
+// key (value) as fp8_e4m3(x * k_inv_scale) (v_inv_scale), saturated to +-448 and rounded to
+// nearest even, from key/value of src_dtype; otherwise the rows are copied as they are.
 struct ReshapeAndCacheArgs {
   const void* key;
   const void* value;
@@ -72,6 +79,10 @@ struct ReshapeAndCacheArgs {
   int64_t key_stride_tok, key_stride_head;
   int64_t value_stride_tok, value_stride_head;
   int num_tokens, num_kv_heads, head_size, block_size, elem_size;
+  int cache_fp8;      // 1: the cache holds float8 e4m3 codes (elem_size is then key's)
+  DType src_dtype;    // of key/value when cache_fp8
+  float k_inv_scale;  // float32(1 / k_scale), multiplied (core/quantization/kv_cache.py)
+  float v_inv_scale;
 };
 cudaError_t reshape_and_cache(const ReshapeAndCacheArgs& args, cudaStream_t stream);
 

@@ -53,6 +53,15 @@ DType kernel_dtype(const at::Tensor& t, const char* what) {
   return DType::kFloat32;  // unreachable: TORCH_CHECK(false) throws
 }
 
+bool is_fp8_cache(const at::Tensor& kv_cache) {
+  return kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+void check_kv_scale(double s, const char* what) {
+  TORCH_CHECK(s > 0.0 && s < 1e30, msg(what, " must be a positive finite number (the FP8 cache's "
+                                       "per-layer scale); got ", std::to_string(s)));
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, msg("core_C.", op, " failed: ", cudaGetErrorString(err)));
 }
@@ -89,7 +98,7 @@ void check_int_vector(const at::Tensor& t, const char* what, at::ScalarType type
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                       const at::Tensor& slot_mapping) {
+                       const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   check_cache(kv_cache);
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
               msg("key and value must both be [num_tokens, num_kv_heads, head_size]; got ",
@@ -98,10 +107,13 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       key.size(1) == kv_cache.size(2) && key.size(2) == kv_cache.size(4),
       msg("key is [", key.size(0), ", ", key.size(1), ", ", key.size(2), "] but the cache holds ",
           kv_cache.size(2), " kv heads of size ", kv_cache.size(4)));
+  const bool fp8 = is_fp8_cache(kv_cache);
   TORCH_CHECK(
-      key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+      fp8 ? key.scalar_type() == value.scalar_type()
+          : key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
       msg("key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(),
-          ") must equal the cache dtype ", kv_cache.scalar_type()));
+          fp8 ? ") must be one dtype over the cache dtype " : ") must equal the cache dtype ",
+          kv_cache.scalar_type()));
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
               "key and value must be contiguous in head_size");
   TORCH_CHECK(key.device() == kv_cache.device() && value.device() == kv_cache.device(),
@@ -111,9 +123,18 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   check_int_vector(slots, "slot_mapping", at::kLong, 1, kv_cache.device());
   TORCH_CHECK(slots.size(0) == key.size(0),
               msg("slot_mapping has ", slots.size(0), " entries for ", key.size(0), " tokens"));
-  kernel_dtype(kv_cache, "kv_cache");
+  if (fp8) {
+    check_kv_scale(k_scale, "k_scale");
+    check_kv_scale(v_scale, "v_scale");
+  } else {
+    kernel_dtype(kv_cache, "kv_cache");
+  }
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   core_kernels::ReshapeAndCacheArgs a{};
+  a.cache_fp8 = fp8 ? 1 : 0;
+  a.src_dtype = kernel_dtype(key, "key");
+  a.k_inv_scale = static_cast<float>(1.0 / k_scale);  // as core/quantization/kv_cache.py
+  a.v_inv_scale = static_cast<float>(1.0 / v_scale);
   a.key = key.data_ptr();
   a.value = value.data_ptr();
   a.kv_cache = kv_cache.data_ptr();
@@ -139,15 +160,15 @@ void check_decode_inputs(const at::Tensor& out, const at::Tensor& query, const a
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               msg("out ", out.sizes(), " ", out.scalar_type(), " must match query ", query.sizes(),
                   " ", query.scalar_type()));
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(),
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() || is_fp8_cache(kv_cache),
               msg("query dtype ", query.scalar_type(), " differs from the cache dtype ",
                   kv_cache.scalar_type()));
   const int64_t head = kv_cache.size(4);
   TORCH_CHECK(query.size(2) == head && (head == 64 || head == 128 || head == 256),
               msg("head size ", query.size(2), " (cache: ", head,
                   ") is not supported; the kernels take 64, 128 or 256"));
-  TORCH_CHECK(head != 256 || query.scalar_type() != at::kFloat,
-              "head size 256 is supported in bfloat16 and float16 only, not float32");
+  TORCH_CHECK(head != 256 || kv_cache.scalar_type() != at::kFloat,
+              "head size 256 is supported in bfloat16, float16 and fp8 caches only, not float32");
 #ifdef USE_ROCM
   TORCH_CHECK(head != 256 || query.size(1) / kv_cache.size(2) <= 4,
               msg("head size 256 on ROCm takes query groups of at most 4; got ",
@@ -169,8 +190,13 @@ void check_decode_inputs(const at::Tensor& out, const at::Tensor& query, const a
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   int64_t max_seq_len, int64_t partition_size, int64_t sliding_window,
-                  double logits_soft_cap) {
+                  double logits_soft_cap, double k_scale, double v_scale) {
   check_decode_inputs(out, query, kv_cache, block_tables, seq_lens);
+  const bool fp8 = is_fp8_cache(kv_cache);
+  if (fp8) {
+    check_kv_scale(k_scale, "k_scale");
+    check_kv_scale(v_scale, "v_scale");
+  }
   TORCH_CHECK(logits_soft_cap >= 0.0,
               msg("logits_soft_cap ", logits_soft_cap, " must be 0 (no capping) or positive"));
   TORCH_CHECK(partition_size >= 0 && partition_size % 16 == 0,
@@ -198,7 +224,11 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   while ((1 << a.block_shift) < a.block_size) ++a.block_shift;
   a.partition = static_cast<int>(partition_size);
   a.sliding_window = static_cast<int>(sliding_window);
-  a.scale = static_cast<float>(scale);
+  // Over an fp8 cache the key scale joins the softmax scale and the value scale multiplies
+  // the output (paged_decode.cuh); other caches ignore both.
+  a.scale = static_cast<float>(fp8 ? scale * k_scale : scale);
+  a.v_scale = fp8 ? static_cast<float>(v_scale) : 1.f;
+  a.kv_fp8 = fp8 ? 1 : 0;
   a.soft_cap = static_cast<float>(logits_soft_cap);
   a.dtype = kernel_dtype(query, "query");
   at::Tensor part_out, part_max, part_sum;  // v2 scratch, from the caching allocator

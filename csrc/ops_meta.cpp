@@ -8,7 +8,7 @@
 namespace {
 
 void reshape_and_cache_meta(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                            const at::Tensor& slot_mapping) {
+                            const at::Tensor& slot_mapping, double, double) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv_cache.dim() == 5 && slot_mapping.dim() == 1,
               "reshape_and_cache: expected key/value [tokens, kv_heads, head], a 5-d cache and "
               "1-d slot_mapping");
@@ -16,7 +16,7 @@ void reshape_and_cache_meta(const at::Tensor& key, const at::Tensor& value, at::
 
 void paged_decode_meta(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double, int64_t,
-                       int64_t, int64_t, double) {
+                       int64_t, int64_t, double, double, double) {
   TORCH_CHECK(out.dim() == 3 && query.dim() == 3 && kv_cache.dim() == 5 &&
                   block_tables.dim() == 2 && seq_lens.dim() == 1,
               "paged_decode: expected out/query [seqs, heads, head], a 5-d cache, 2-d "

@@ -13,6 +13,9 @@ overhead is not counted, as under graph replay. Prompt (prefill) steps are timed
     python -m core.benchmarks.attention_kernels --platform cuda \\
         --variant auto --variant v1:decode_partition=0 --json results.json
 
+``--kv-cache-dtype fp8`` times the same steps over an FP8 (e4m3) cache (its bandwidth counts
+the one-byte codes actually read).
+
 ``--variant LABEL[:key=value,...]`` passes backend-specific constructor options (integers)
 to the backend; ``--plugin MODULE`` registers a platform module that is not installed.
 Device-neutral: timing uses ``torch.Event`` on the platform's device.
@@ -45,10 +48,21 @@ class Shape:
     head_size: int = 128
     block_size: int = 16
     dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: torch.dtype | None = None
+    """None: the cache is ``dtype``; torch.float8_e4m3fn: the FP8 cache (scales 1.0)."""
 
     def spec(self) -> AttentionSpec:
         return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_size, self.dtype,
-                             self.block_size)
+                             self.block_size, kv_cache_dtype=self.kv_cache_dtype)
+
+
+def fill_random(cache: torch.Tensor) -> None:
+    """Random cache contents: normal values, or for a 1-byte (fp8) cache random finite
+    codes (normal_ has no float8 kernel)."""
+    if cache.element_size() == 1:
+        cache.view(torch.uint8).random_(0, 0x7F)  # below the NaN code
+    else:
+        cache.normal_()
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
@@ -125,7 +139,7 @@ def decode_step(shape: Shape, batch: int, context: int, device) -> tuple[Any, ..
 
 def decode_bytes(shape: Shape, batch: int, context: int) -> int:
     e = torch.empty((), dtype=shape.dtype).element_size()
-    kv = 2 * batch * context * shape.num_kv_heads * shape.head_size * e
+    kv = 2 * batch * context * shape.num_kv_heads * shape.head_size * shape.spec().cache_dtype.itemsize
     q_out = 2 * batch * shape.num_heads * shape.head_size * e
     return kv + q_out
 
@@ -147,7 +161,7 @@ def bench_decode(platform, backend_cls, shape, variants, batches, contexts, flus
                 backend = backend_cls(shape.spec(), **options)
                 if cache is None:
                     cache = backend.allocate_kv_cache(cache_args[0], device)
-                    cache.normal_()
+                    fill_random(cache)
                 fwd = median_ms(functools.partial(backend.forward, q, k, v, cache, md), device, flush)
                 attn = fwd
                 if callable(getattr(backend, "decode", None)):
@@ -172,7 +186,7 @@ def bench_prefill(backend_cls, shape, device, flush, cases=((4, 0, 1024), (1, 30
         backend = backend_cls(spec)
         per_seq = -(-(ctx + new) // bs)
         cache = backend.allocate_kv_cache(n * per_seq + 1, device)
-        cache.normal_()
+        fill_random(cache)
         tables = (torch.arange(n * per_seq) + 1).view(n, per_seq).int()
         md = build_metadata([new] * n, [ctx] * n, tables.numpy(), bs, num_prefills=n, device=device)
         q = torch.randn(n * new, spec.num_heads, spec.head_size, device=device, dtype=spec.dtype)
@@ -216,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,8,64,256")
     ap.add_argument("--context", default="512,4096,32768")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--json", default=None, help="write all results here")
     ns = ap.parse_args(argv)
     platform = resolve_platform(ns.platform, ns.plugin)
     device = platform.device(0)
-    shape = Shape()
+    shape = Shape(kv_cache_dtype=torch.float8_e4m3fn if ns.kv_cache_dtype == "fp8" else None)
     backend_cls: type[AttentionBackend] = platform.attention_backend_class(shape.spec())
     variants = [parse_variant(v) for v in (ns.variant or ["auto"])]
     flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)

@@ -10,6 +10,7 @@ from core.engine_args import EngineArgs, parse_layer_split, parse_size
 from core.executor.parallel_check import validate_parallel
 from core.model_loader import default_model_path, load_config
 from core.platform import Platform
+from core.quantization.kv_cache import kv_cache_dtype_for
 from core.quantization.registry import quantization_for
 
 
@@ -80,6 +81,7 @@ def resolve_config(args: EngineArgs, platform: Platform, cache_dir: str | None =
         swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
         num_blocks_override=args.num_blocks_override,
+        cache_dtype=kv_cache_dtype_for(args.kv_cache_dtype, platform, plugins),
     )
     budget = args.max_num_batched_tokens or max(2048, min(max_len, 8192))
     if not args.enable_chunked_prefill and budget < max_len:

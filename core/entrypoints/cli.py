@@ -144,8 +144,9 @@ def cmd_platforms(ns) -> int:
     for i in plugins.discover():
         caps = ", ".join(sorted(i.capabilities)) or "-"
         quant = platform_methods(i.cls)
+        kv = ", ".join(("auto", *i.cls.kv_cache_dtypes()))  # --kv-cache-dtype values it takes
         rows.append([i.name, i.plugin, str(i.probe.score), i.cls.verification,
-                     f"{i.probe.reason} [caps: {caps}] [quantization: {quant}]"])
+                     f"{i.probe.reason} [caps: {caps}] [quantization: {quant}] [kv cache: {kv}]"])
     for name, err in plugins.load_errors.items():
         rows.append([name, "(failed)", "-", "-", f"failed to load: {err}"])
     headers = ["platform", "plugin", "score", "verification", "probe"]

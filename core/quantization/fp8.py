@@ -28,6 +28,7 @@ import torch
 
 from core.quantization.base import QuantizationMethod, Weights
 from core.quantization.grouping import group_parts
+from core.quantization.kv_cache import KV_SCALE_SUFFIXES
 from core.quantization.tensors import FP8_MAX, Fp8Weight, quantize_fp8_rows
 
 _FP8 = (torch.float8_e4m3fn,)
@@ -111,7 +112,8 @@ class Fp8Method(QuantizationMethod):
         if self.on_load:
             return weights
         block = self.config.get("weight_block_size")
-        weights = _drop(weights, (".input_scale", ".activation_scale"))
+        # KV cache scales are read by core.quantization.kv_cache, not loaded as weights
+        weights = _drop(weights, (".input_scale", ".activation_scale", *KV_SCALE_SUFFIXES))
         if block:
             def build(module: str, p: dict[str, Any]) -> Fp8Weight:
                 return block_scales_to_groups(p["weight"], p["weight_scale_inv"], tuple(block), module)
@@ -179,7 +181,7 @@ class CompressedTensorsMethod(QuantizationMethod):
     def checkpoint_weights(self, weights: Weights) -> Weights:
         block = self._block()
         weights = _drop(weights, (".input_scale", ".input_zero_point", ".weight_zero_point",
-                                  ".output_scale", ".output_zero_point"))
+                                  ".output_scale", ".output_zero_point", *KV_SCALE_SUFFIXES))
 
         def build(module: str, p: dict[str, Any]) -> Fp8Weight:
             codes, scale = p["weight"], p["weight_scale"]

@@ -10,6 +10,7 @@ cudaError_t paged_decode(const DecodeArgs& args, cudaStream_t stream) {
       (args.partition % 16) != 0) {
     return cudaErrorInvalidValue;
   }
+  if (args.kv_fp8) return paged_decode_fp8(args, stream);
   switch (args.dtype) {
     case DType::kFloat16:
       return paged_decode_fp16(args, stream);

@@ -20,6 +20,13 @@
 // sum, output accumulator) over the rows it saw; lanes and warps are merged once at the end.
 // Scores are kept in the log2 domain (q is pre-scaled by scale * log2(e); under a soft cap by
 // scale alone, and log2(e) is applied after the tanh).
+//
+// Types. The cache type CT (its 16-byte chunks, kVec elements each) shapes the streaming; the
+// query/output type QT only how q is loaded and the output stored. They are the same type
+// except over an FP8 cache (CT = Fp8E4m3, 16 codes per chunk): there the host folds the key
+// scale into `scale` and the kernel multiplies the normalised output by `v_scale`, so the
+// inner loops only widen codes. An fp8 cache takes tiles of up to 4 query heads only: an
+// 8-head tile over 16-element chunks would hold twice the q and accumulator registers.
 #pragma once
 
 #include "../cuda_compat.h"
@@ -32,10 +39,10 @@ constexpr float kNegBig = -1e30f;  // "no score yet": finite, so exp2(kNegBig - 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kRescaleLog2 = 8.f;  // see attend_unit
 
-template <typename DT, int kHead, int kGroup>
+template <typename CT, int kHead, int kGroup>
 struct DecodeShape {
-  using S = typename DT::Storage;
-  static constexpr int kVec = DT::kVec;            // elements per 16-byte chunk
+  using S = typename CT::Storage;
+  static constexpr int kVec = CT::kVec;            // elements per 16-byte chunk
   static constexpr int kRowChunks = kHead / kVec;  // chunks per token row
   static constexpr int kRowBytes = kHead * int(sizeof(S));
   static constexpr int kUnitRows = 4096 / kRowBytes < 16 ? 4096 / kRowBytes : 16;
@@ -58,10 +65,13 @@ struct DecodeShape {
   static_assert(16 % kUnitRows == 0, "a unit must not straddle a block of 16 or 32");
   static_assert(kMergeBytes <= kSmemBytes, "merge scratch reuses the stage buffers");
 
-  // Bank-conflict-free reads when fewer than 8 lanes share a row: lanes of the next row read
-  // the other half of the 128-byte bank window.
+  // Bank-conflict-free reads when fewer than 8 lanes share a row of at least 128 bytes: lanes
+  // of the next row read the other half of the 128-byte bank window. (Rows of 64 bytes, fp8
+  // head 64, already put two rows side by side in one window.)
+  static constexpr bool kSwizzle = kLanesPerRow < 8 && kRowChunks >= 8;
+  static constexpr int kSwizzlePeriod = kSwizzle ? 8 / kLanesPerRow : 1;
   __device__ __forceinline__ static int swizzle(int row, int chunk) {
-    if constexpr (kLanesPerRow < 8) {
+    if constexpr (kSwizzle) {
       return chunk ^ ((row % (8 / kLanesPerRow)) * kLanesPerRow);
     } else {
       return chunk;
@@ -69,41 +79,52 @@ struct DecodeShape {
   }
 };
 
+// 16-byte words of query (type QT) per cache chunk: 1 when QT is the cache type.
+template <typename Sh, typename QT>
+constexpr int kQueryWords = Sh::kVec * int(sizeof(typename QT::Storage)) / 16;
+
 // This lane's q chunks of heads [qh0, qh0 + n_heads), as raw 16-byte vectors (issued early,
 // converted once the first KV copies are in flight); heads past n_heads (a partial tile)
 // are zero and never written out.
-template <typename Sh, int kGroup>
-__device__ __forceinline__ void load_query(const DecodeArgs& a, int seq, int qh0, int n_heads,
-                                           int lane_in_row,
-                                           uint4 (&raw)[kGroup][Sh::kChunksPerLane]) {
-  const auto* base = static_cast<const typename Sh::S*>(a.query) + seq * a.q_stride_tok;
+template <typename Sh, typename QT, int kGroup>
+__device__ __forceinline__ void load_query(
+    const DecodeArgs& a, int seq, int qh0, int n_heads, int lane_in_row,
+    uint4 (&raw)[kGroup][Sh::kChunksPerLane][kQueryWords<Sh, QT>]) {
+  const auto* base = static_cast<const typename QT::Storage*>(a.query) + seq * a.q_stride_tok;
 #pragma unroll
   for (int g = 0; g < kGroup; ++g) {
 #pragma unroll
     for (int m = 0; m < Sh::kChunksPerLane; ++m) {
       const int chunk = lane_in_row + m * Sh::kLanesPerRow;
-      raw[g][m] = g < n_heads ? *reinterpret_cast<const uint4*>(base + (qh0 + g) * a.q_stride_head +
-                                                                chunk * Sh::kVec)
-                              : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int w = 0; w < kQueryWords<Sh, QT>; ++w) {
+        raw[g][m][w] = g < n_heads ? *reinterpret_cast<const uint4*>(
+                                         base + (qh0 + g) * a.q_stride_head + chunk * Sh::kVec +
+                                         w * QT::kVec)
+                                   : make_uint4(0, 0, 0, 0);
+      }
     }
   }
 }
 
 // q in floats, scaled into the log2 domain (scale * log2(e)); with a soft cap only by scale,
 // because tanh must see the natural-domain score (soft_capped moves it into log2 after).
-template <typename Sh, typename DT, int kGroup>
-__device__ __forceinline__ void convert_query(const uint4 (&raw)[kGroup][Sh::kChunksPerLane],
-                                              float scale, float soft_cap,
-                                              float (&q)[kGroup][Sh::kDimsPerLane]) {
+template <typename Sh, typename QT, int kGroup>
+__device__ __forceinline__ void convert_query(
+    const uint4 (&raw)[kGroup][Sh::kChunksPerLane][kQueryWords<Sh, QT>], float scale,
+    float soft_cap, float (&q)[kGroup][Sh::kDimsPerLane]) {
   const float s = soft_cap > 0.f ? scale : scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < kGroup; ++g) {
 #pragma unroll
     for (int m = 0; m < Sh::kChunksPerLane; ++m) {
-      float f[Sh::kVec];
-      DT::to_float(raw[g][m], f);
 #pragma unroll
-      for (int e = 0; e < Sh::kVec; ++e) q[g][m * Sh::kVec + e] = f[e] * s;
+      for (int w = 0; w < kQueryWords<Sh, QT>; ++w) {
+        float f[QT::kVec];
+        QT::to_float(raw[g][m][w], f);
+#pragma unroll
+        for (int e = 0; e < QT::kVec; ++e) q[g][m * Sh::kVec + w * QT::kVec + e] = f[e] * s;
+      }
     }
   }
 }
@@ -117,7 +138,7 @@ struct CopyPlan {
   static constexpr int kSteps = Sh::kUnitRows / kRowStep;
   static constexpr int kHalf = Sh::kUnitRows * Sh::kRowChunks;  // chunks of keys in a stage
   static_assert(kWarpSize % Sh::kRowChunks == 0 && Sh::kUnitRows % kRowStep == 0, "copy split");
-  static constexpr int kSwizzlePeriod = Sh::kLanesPerRow >= 8 ? 1 : 8 / Sh::kLanesPerRow;
+  static constexpr int kSwizzlePeriod = Sh::kSwizzlePeriod;
   static_assert(kRowStep % kSwizzlePeriod == 0,
                 "the swizzle of a lane's rows must not depend on the step");
   int src;  // elements from the unit's first key to this lane's first chunk
@@ -166,7 +187,7 @@ struct LaneState {
 };
 
 // q.k for this lane's rows of a unit, summed over the lanes that share each row.
-template <typename Sh, typename DT, int kGroup>
+template <typename Sh, typename CT, int kGroup>
 __device__ __forceinline__ void unit_scores(const uint4* keys, int row_group, int lane_in_row,
                                             const float (&q)[kGroup][Sh::kDimsPerLane],
                                             float (&s)[Sh::kRowsPerLane][kGroup]) {
@@ -179,7 +200,7 @@ __device__ __forceinline__ void unit_scores(const uint4* keys, int row_group, in
     for (int m = 0; m < Sh::kChunksPerLane; ++m) {
       const int chunk = lane_in_row + m * Sh::kLanesPerRow;
       float k[Sh::kVec];
-      DT::to_float(keys[row * Sh::kRowChunks + Sh::swizzle(row, chunk)], k);
+      CT::to_float(keys[row * Sh::kRowChunks + Sh::swizzle(row, chunk)], k);
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
 #pragma unroll
@@ -214,13 +235,13 @@ __device__ __forceinline__ void soft_capped(float soft_cap, float (&s)[Sh::kRows
 
 // One unit: scores, online-softmax update, and p.V. Rows outside [lo, hi) are masked: their
 // scores never count and their (possibly garbage) values are never touched.
-template <typename Sh, typename DT, int kGroup>
+template <typename Sh, typename CT, int kGroup>
 __device__ __forceinline__ void attend_unit(const uint4* stage, int first_token, int lo, int hi,
                                             int row_group, int lane_in_row,
                                             const float (&q)[kGroup][Sh::kDimsPerLane],
                                             float soft_cap, LaneState<Sh, kGroup>& st) {
   float s[Sh::kRowsPerLane][kGroup];
-  unit_scores<Sh, DT, kGroup>(stage, row_group, lane_in_row, q, s);
+  unit_scores<Sh, CT, kGroup>(stage, row_group, lane_in_row, q, s);
   if (soft_cap > 0.f) soft_capped<Sh, kGroup>(soft_cap, s);
   bool valid[Sh::kRowsPerLane];
 #pragma unroll
@@ -268,7 +289,7 @@ __device__ __forceinline__ void attend_unit(const uint4* stage, int first_token,
     for (int m = 0; m < Sh::kChunksPerLane; ++m) {
       const int chunk = lane_in_row + m * Sh::kLanesPerRow;
       float v[Sh::kVec];
-      DT::to_float(values[row * Sh::kRowChunks + Sh::swizzle(row, chunk)], v);
+      CT::to_float(values[row * Sh::kRowChunks + Sh::swizzle(row, chunk)], v);
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
 #pragma unroll

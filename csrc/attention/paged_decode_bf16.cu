@@ -5,7 +5,7 @@
 namespace core_kernels {
 
 cudaError_t paged_decode_bf16(const DecodeArgs& args, cudaStream_t stream) {
-  return paged_decode_typed<Bf16>(args, stream);
+  return paged_decode_typed<Bf16, Bf16>(args, stream);
 }
 
 }  // namespace core_kernels

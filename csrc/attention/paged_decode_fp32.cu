@@ -5,7 +5,7 @@
 namespace core_kernels {
 
 cudaError_t paged_decode_fp32(const DecodeArgs& args, cudaStream_t stream) {
-  return paged_decode_typed<Fp32>(args, stream);
+  return paged_decode_typed<Fp32, Fp32>(args, stream);
 }
 
 }  // namespace core_kernels

@@ -6,7 +6,7 @@ namespace core_kernels {
 
 // After every warp's lanes are merged: combines the kWarps warp states through shared memory
 // and writes either the final output (v1) or this partition's partial result (v2).
-template <typename Sh, typename DT, int kGroup>
+template <typename Sh, typename QT, int kGroup>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float* red,
                                                       const LaneState<Sh, kGroup>& st, int seq,
                                                       int qh0, int n_heads, int part) {
@@ -48,10 +48,11 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float
       l = fmaf(red_sum[w * kGroup + g], f, l);
       o = fmaf(red_acc[(w * kGroup + g) * D + d], f, o);
     }
-    const float out = l > 0.f ? o / l : 0.f;  // l == 0: no token attended (empty range)
+    // l == 0: no token attended (empty range). v_scale: the FP8 cache's value scale, else 1.
+    const float out = l > 0.f ? o / l * a.v_scale : 0.f;
     if (a.partition == 0) {
-      auto* dst = static_cast<typename Sh::S*>(a.out);
-      dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = DT::from_float(out);
+      auto* dst = static_cast<typename QT::Storage*>(a.out);
+      dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = QT::from_float(out);
     } else {
       const int64_t slot = (int64_t(seq) * a.num_q_heads + qh0 + g) * a.max_parts + part;
       a.part_out[slot * D + d] = out;
@@ -63,10 +64,10 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float
   }
 }
 
-template <typename DT, int kHead, int kGroup>
-__global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
+template <typename QT, typename CT, int kHead, int kGroup>
+__global__ void __launch_bounds__(DecodeShape<CT, kHead, kGroup>::kThreads, 2)
     paged_decode_kernel(const DecodeArgs a) {
-  using Sh = DecodeShape<DT, kHead, kGroup>;
+  using Sh = DecodeShape<CT, kHead, kGroup>;
   extern __shared__ uint4 smem[];
   const int group = a.num_q_heads / a.num_kv_heads;
   const int tiles = (group + kGroup - 1) / kGroup;
@@ -103,8 +104,8 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
   // Start-up latency: the block ids and q are requested together, the first copies go out
   // as soon as the ids arrive, and q is converted while they are in flight.
   int table_ids = load_ids(0);
-  uint4 q_raw[kGroup][Sh::kChunksPerLane];
-  load_query<Sh, kGroup>(a, seq, qh0, n_heads, lane_in_row, q_raw);
+  uint4 q_raw[kGroup][Sh::kChunksPerLane][kQueryWords<Sh, QT>];
+  load_query<Sh, QT, kGroup>(a, seq, qh0, n_heads, lane_in_row, q_raw);
 
   auto issue = [&](int i) {
     if (i < n_mine) {
@@ -121,14 +122,14 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
   for (int i = 0; i < Sh::kStages - 1; ++i) issue(i);
 
   float q[kGroup][Sh::kDimsPerLane];
-  convert_query<Sh, DT, kGroup>(q_raw, a.scale, a.soft_cap, q);
+  convert_query<Sh, QT, kGroup>(q_raw, a.scale, a.soft_cap, q);
   LaneState<Sh, kGroup> st;
   st.init();
   for (int i = 0; i < n_mine; ++i) {
     issue(i + Sh::kStages - 1);
     async_copy_wait<Sh::kStages - 1>();  // unit i's group is complete
     warp_sync();                         // ... and visible to every lane
-    attend_unit<Sh, DT, kGroup>(ring + (i % Sh::kStages) * Sh::kUnitChunks, unit_token(i), lo, end,
+    attend_unit<Sh, CT, kGroup>(ring + (i % Sh::kStages) * Sh::kUnitChunks, unit_token(i), lo, end,
                                 row_group, lane_in_row, q, a.soft_cap, st);
     warp_sync();  // every lane is done with this stage before it is refilled
   }
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(DecodeShape<DT, kHead, kGroup>::kThreads, 2)
   async_copy_wait<0>();
   merge_row_groups<Sh, kGroup>(st);
   __syncthreads();  // all warps are done with their rings; reuse them as merge scratch
-  merge_warps_and_store<Sh, DT, kGroup>(a, reinterpret_cast<float*>(smem), st, seq, qh0, n_heads,
+  merge_warps_and_store<Sh, QT, kGroup>(a, reinterpret_cast<float*>(smem), st, seq, qh0, n_heads,
                                         part);
 }
 
@@ -192,10 +193,10 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeAr
   }
 }
 
-template <typename DT, int kHead, int kGroup>
+template <typename QT, typename CT, int kHead, int kGroup>
 cudaError_t launch_paged_decode(const DecodeArgs& a, cudaStream_t stream) {
-  using Sh = DecodeShape<DT, kHead, kGroup>;
-  auto* kernel = paged_decode_kernel<DT, kHead, kGroup>;
+  using Sh = DecodeShape<CT, kHead, kGroup>;
+  auto* kernel = paged_decode_kernel<QT, CT, kHead, kGroup>;
   // Set on every launch: the attribute is per device, and it is not a stream operation, so
   // it is also allowed while a CUDA graph is being captured.
   cudaError_t err =
@@ -208,34 +209,37 @@ cudaError_t launch_paged_decode(const DecodeArgs& a, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess || a.partition == 0) return err;
   const dim3 reduce_grid(a.num_q_heads, a.num_seqs);
-  return launch_dependent(paged_decode_reduce_kernel<DT, kHead>, reduce_grid, dim3(128),
+  return launch_dependent(paged_decode_reduce_kernel<QT, kHead>, reduce_grid, dim3(128),
                           a.max_parts * sizeof(float), stream, a);
 }
 
-// Picks the compile-time shape: query heads per CTA = 4 for groups up to 4 (MHA and small
-// GQA groups pad with idle heads), else 8 (larger groups are served in tiles of 8).
-// Head size 256 (Gemma 2/3) exists for 16-bit types only: an fp32 row is 64 16-byte chunks,
-// more than a warp's lanes, which the unit copy plan needs to cover. On ROCm its 8-head tile
-// would need more merge scratch than the single copy stage holds, so groups above 4 (no
-// released Gemma has one) are refused there.
-template <typename DT>
+// Query heads per CTA for one head size: 4 for groups up to 4 (MHA and small GQA groups pad
+// with idle heads), else 8 (larger groups are served in tiles of 8); an fp8 cache always 4
+// (see paged_decode.cuh).
+template <typename QT, typename CT, int kHead>
+cudaError_t launch_for_head(const DecodeArgs& a, cudaStream_t stream) {
+  if constexpr (sizeof(typename CT::Storage) > 1) {
+    if (a.num_q_heads / a.num_kv_heads > 4) return launch_paged_decode<QT, CT, kHead, 8>(a, stream);
+  }
+  return launch_paged_decode<QT, CT, kHead, 4>(a, stream);
+}
+
+// Picks the compile-time shape for the query type QT over the cache type CT.
+// Head size 256 (Gemma 2/3) exists for caches of 16-bit or 8-bit elements only: an fp32 row is
+// 64 16-byte chunks, more than a warp's lanes, which the unit copy plan needs to cover. On ROCm
+// its 8-head tile would need more merge scratch than the single copy stage holds, so groups
+// above 4 (no released Gemma has one) are refused there.
+template <typename QT, typename CT = QT>
 cudaError_t paged_decode_typed(const DecodeArgs& a, cudaStream_t stream) {
-  const bool wide = a.num_q_heads / a.num_kv_heads > 4;
-  if (a.head_size == 64) {
-    return wide ? launch_paged_decode<DT, 64, 8>(a, stream)
-                : launch_paged_decode<DT, 64, 4>(a, stream);
-  }
-  if (a.head_size == 128) {
-    return wide ? launch_paged_decode<DT, 128, 8>(a, stream)
-                : launch_paged_decode<DT, 128, 4>(a, stream);
-  }
-  if constexpr (sizeof(typename DT::Storage) == 2) {
+  if (a.head_size == 64) return launch_for_head<QT, CT, 64>(a, stream);
+  if (a.head_size == 128) return launch_for_head<QT, CT, 128>(a, stream);
+  if constexpr (sizeof(typename CT::Storage) <= 2) {
     if (a.head_size == 256) {
 #ifdef USE_ROCM
-      return wide ? cudaErrorInvalidValue : launch_paged_decode<DT, 256, 4>(a, stream);
+      if (a.num_q_heads / a.num_kv_heads > 4) return cudaErrorInvalidValue;
+      return launch_paged_decode<QT, CT, 256, 4>(a, stream);
 #else
-      return wide ? launch_paged_decode<DT, 256, 8>(a, stream)
-                  : launch_paged_decode<DT, 256, 4>(a, stream);
+      return launch_for_head<QT, CT, 256>(a, stream);
 #endif
     }
   }

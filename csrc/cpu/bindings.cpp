@@ -19,6 +19,12 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                   const std::optional<at::Tensor>& table_rows, double logits_soft_cap);
+void write_kv_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slots,
+                  double k_scale, double v_scale);
+void paged_decode_fp8(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                      const std::optional<at::Tensor>& table_rows, double logits_soft_cap, double k_scale,
+                      double v_scale);
 void linear_f32out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, int64_t bits, int64_t act_mode);
@@ -39,6 +45,11 @@ TORCH_LIBRARY(core_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window, Tensor? table_rows=None, float logits_soft_cap=0.0) -> ()");
+  m.def("write_kv_fp8(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots, float k_scale=1.0, "
+        "float v_scale=1.0) -> ()");
+  m.def("paged_decode_fp8(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int window, Tensor? table_rows=None, float logits_soft_cap=0.0, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("linear_f32out(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, "
         "int act_mode) -> ()");
@@ -56,6 +67,8 @@ TORCH_LIBRARY_IMPL(core_cpu, CPU, m) {
   m.impl("rotary_embedding", &core_cpu::rotary_embedding);
   m.impl("write_kv", &core_cpu::write_kv);
   m.impl("paged_decode", &core_cpu::paged_decode);
+  m.impl("write_kv_fp8", &core_cpu::write_kv_fp8);
+  m.impl("paged_decode_fp8", &core_cpu::paged_decode_fp8);
   m.impl("linear_f32out", &core_cpu::linear_f32out);
   m.impl("quant_linear", &core_cpu::quant_linear);
   m.impl("quant_dequantize", &core_cpu::quant_dequantize);

@@ -8,9 +8,16 @@ Two backends share that layout: :class:`CpuAttentionBackend` (``cpu_sdpa``, plai
 SDPA for prompts, a block-table gather and matmuls for decode) and
 :class:`CpuPagedAttentionBackend` (``cpu_paged``, the csrc/cpu kernels for cache writes,
 prompts and decode), which the platform picks when the kernels load.
+
+Both keep an FP8 KV cache (``spec.kv_cache_dtype = torch.float8_e4m3fn``, see
+:mod:`core.quantization.kv_cache`): the torch path quantizes with :func:`quantize_kv` and
+dequantizes what it gathers; the kernel backend calls csrc/cpu/paged_attention_fp8.cpp.
+Every prompt token then attends to the cache's (dequantized) keys and values, its own included.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +29,14 @@ from core.attention import (
     index_copy_blocks,
     index_swap_blocks,
 )
+from core.quantization.kv_cache import dequantize_kv, quantize_kv
 from platforms.cpu.kernels import load_kernels
 
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu_sdpa"
     supports_logits_soft_cap = True  # in plain torch (_attend, _decode), not in SDPA
+    supports_fp8_kv_cache = True
 
     @staticmethod
     def kv_cache_shape(
@@ -40,6 +49,10 @@ class CpuAttentionBackend(AttentionBackend):
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        if self.spec.fp8_cache:  # fp8 codes moved as bytes: CPU index_copy_ has no float8 kernel
+            key = quantize_kv(key, self.spec.k_scale).view(torch.uint8)
+            value = quantize_kv(value, self.spec.v_scale).view(torch.uint8)
+            flat = flat.view(torch.uint8)
         flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
         flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
 
@@ -61,7 +74,7 @@ class CpuAttentionBackend(AttentionBackend):
         for i in range(md.num_prefills):
             s, e, ctx = starts[i], starts[i + 1], context[i]
             q = query[s:e].transpose(0, 1)  # [H, q, D]
-            if ctx == 0 and window is None:
+            if ctx == 0 and window is None and not self.spec.fp8_cache:
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
                 o = self._attend(q, k, v, torch.ones(e - s, e - s, dtype=torch.bool).tril())
             else:
@@ -98,7 +111,13 @@ class CpuAttentionBackend(AttentionBackend):
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
         k = flat[0].index_select(0, slots).transpose(0, 1)
         v = flat[1].index_select(0, slots).transpose(0, 1)
-        return k.to(self.spec.dtype), v.to(self.spec.dtype)
+        return self._read(k, self.spec.k_scale), self._read(v, self.spec.v_scale)
+
+    def _read(self, cached: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cached keys or values in the compute dtype (FP8 codes dequantized)."""
+        if self.spec.fp8_cache:
+            return dequantize_kv(cached, scale, self.spec.dtype)
+        return cached.to(self.spec.dtype)
 
     # ---- decode -----------------------------------------------------------------------
     def _decode_into(self, out, query, kv_cache, md: AttentionMetadata) -> None:
@@ -122,6 +141,8 @@ class CpuAttentionBackend(AttentionBackend):
         group = query.shape[1] // kvh
         k = flat[0].index_select(0, slots.reshape(-1)).view(b, max_len, kvh, d).permute(0, 2, 3, 1)
         v = flat[1].index_select(0, slots.reshape(-1)).view(b, max_len, kvh, d).transpose(1, 2)
+        if self.spec.fp8_cache:
+            k, v = self._read(k, self.spec.k_scale), self._read(v, self.spec.v_scale)
         q = query.view(b, kvh, group, d).to(k.dtype)
         scores = torch.matmul(q, k).float() * self.spec.softmax_scale  # [B, KVH, G, L]
         if self.spec.logits_soft_cap is not None:
@@ -162,6 +183,10 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
         kernels = load_kernels()
         self._write_kv = kernels.write_kv.default
         self._paged_decode = kernels.paged_decode.default
+        if spec.fp8_cache:  # the fp8 twins take the layer's scales on every call
+            scales = dict(k_scale=spec.k_scale, v_scale=spec.v_scale)
+            self._write_kv = functools.partial(kernels.write_kv_fp8.default, **scales)
+            self._paged_decode = functools.partial(kernels.paged_decode_fp8.default, **scales)
         self._window = spec.sliding_window or 0
         self._soft_cap = spec.logits_soft_cap or 0.0
 
@@ -169,10 +194,16 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
     def _heads_are_rows(t: torch.Tensor) -> bool:
         return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
+    def _kernel_dtypes(self, kv_cache: torch.Tensor, *tensors: torch.Tensor) -> bool:
+        """Whether the kernels take these tensors with this cache: the cache's dtype, or the
+        compute dtype over an FP8 cache."""
+        want = self.spec.dtype if self.spec.fp8_cache else kv_cache.dtype
+        return all(t.dtype == want for t in tensors)
+
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
         fits = (
             self._heads_are_rows(key) and self._heads_are_rows(value)
-            and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype
+            and self._kernel_dtypes(kv_cache, key, value)
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
         )
         if not fits:
@@ -185,7 +216,7 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
         tables, seq_lens = md.block_tables[first:], md.seq_lens[first:]
         fits = (
             self._heads_are_rows(query) and self._heads_are_rows(out)
-            and query.dtype == kv_cache.dtype and out.dtype == kv_cache.dtype
+            and self._kernel_dtypes(kv_cache, query, out)
             and tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
         )
         if not fits:
@@ -211,7 +242,7 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
         tables = md.block_tables[:p]
         fits = (
             self._heads_are_rows(q) and self._heads_are_rows(o)
-            and q.dtype == kv_cache.dtype and o.dtype == kv_cache.dtype
+            and self._kernel_dtypes(kv_cache, q, o)
             and tables.dtype == torch.int32
         )
         if not fits:

@@ -47,7 +47,7 @@ libgomp soname torch ships, so there is one thread pool, not two)."""
 LD_FLAGS = ("-fopenmp",)
 OPS = (
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "write_kv",
-    "paged_decode", "linear_f32out", "quant_linear", "quant_dequantize", "cpu_isa", "set_cpu_isa",
+    "paged_decode", "write_kv_fp8", "paged_decode_fp8", "linear_f32out", "quant_linear", "quant_dequantize", "cpu_isa", "set_cpu_isa",
     "cpu_isas",
 )
 

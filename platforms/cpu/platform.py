@@ -98,6 +98,10 @@ class CpuPlatform(Platform):
         # see core/quantization/tensors.py); --weight-format int4/int8 can re-pack them.
         return dict.fromkeys(("fp8", "compressed-tensors", "awq", "gptq", "gguf"))
 
+    @classmethod
+    def kv_cache_dtypes(cls) -> tuple[str, ...]:
+        return ("fp8_e4m3",)  # both CPU backends (platforms/cpu/attention.py)
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 

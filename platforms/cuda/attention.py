@@ -13,6 +13,12 @@ which the decode kernel streams with 16-byte coalesced copies.
 Decode runs one of two kernels, chosen per batch by :func:`choose_decode_partition`:
 v1 (one CTA per sequence x kv head covers the whole context) or v2 (each context is split into
 partitions, one CTA each, combined by a reduce kernel).
+
+FP8 KV cache (``spec.kv_cache_dtype = torch.float8_e4m3fn``, see
+:mod:`core.quantization.kv_cache`): the cache-write kernel quantizes with the layer's scales,
+the decode kernels read the codes (the same kernels, templated on the cache type), and prompts
+gather their blocks, dequantize them and run SDPA over them, so every token attends to what
+the cache holds, its own keys included. Not built for ROCm.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ SUPPORTED_HEAD_SIZES = (64, 128, 256)
 """256 (Gemma 2/3) in bfloat16/float16 only (see csrc/attention/paged_decode_kernel.cuh)."""
 SUPPORTED_BLOCK_SIZES = (16, 32)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8 = torch.float8_e4m3fn
 
 CTAS_PER_SM = 2
 """Resident decode CTAs per multiprocessor (96 KiB of copy stages each in bf16)."""
@@ -40,10 +47,11 @@ SOFT_CAP_SCORE_BYTES = 256 << 20
 processed in chunks so that heads x rows x keys x 4 bytes stays below it."""
 
 
-def head_tiles(num_heads: int, num_kv_heads: int) -> int:
-    """CTAs per kv head: groups of up to 4 query heads take one, larger groups tiles of 8."""
+def head_tiles(num_heads: int, num_kv_heads: int, fp8_cache: bool = False) -> int:
+    """CTAs per kv head: groups of up to 4 query heads take one, larger groups tiles of 8 (of
+    4 over an fp8 cache, see csrc/attention/paged_decode.cuh)."""
     group = num_heads // num_kv_heads
-    return 1 if group <= 4 else math.ceil(group / 8)
+    return 1 if group <= 4 else math.ceil(group / (4 if fp8_cache else 8))
 
 
 def choose_decode_partition(
@@ -79,6 +87,7 @@ class CudaPagedAttention(AttentionBackend):
 
     name = "cuda_paged"
     supports_logits_soft_cap = True  # decode: in the csrc kernel; prompts: soft_capped_attention
+    supports_fp8_kv_cache = True
 
     def __init__(self, spec: AttentionSpec, decode_partition: int | None = None, ops=None):
         super().__init__(spec)
@@ -90,7 +99,9 @@ class CudaPagedAttention(AttentionBackend):
             )
         self.decode_partition = decode_partition
         self.group = spec.num_heads // spec.num_kv_heads
-        self.tiles = head_tiles(spec.num_heads, spec.num_kv_heads)
+        self.tiles = head_tiles(spec.num_heads, spec.num_kv_heads, spec.fp8_cache)
+        # the FP8 cache's scales (the ops ignore them over any other cache)
+        self._scales = (spec.k_scale, spec.v_scale) if spec.fp8_cache else (1.0, 1.0)
         self._ops = ops if ops is not None else load_ops()
         self._num_sms: int | None = None
 
@@ -102,7 +113,7 @@ class CudaPagedAttention(AttentionBackend):
 
     # ---- cache ops --------------------------------------------------------------------------
     def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
-        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping, *self._scales)
 
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
@@ -152,6 +163,7 @@ class CudaPagedAttention(AttentionBackend):
             partition,
             self.spec.sliding_window or 0,
             self.spec.logits_soft_cap or 0.0,
+            *self._scales,
         )
 
     def _sm_count(self, device: torch.device) -> int:
@@ -178,7 +190,13 @@ class CudaPagedAttention(AttentionBackend):
                 o = soft_capped_attention(q[0], k, v, self.spec.softmax_scale, cap, window)
                 out[rows] = o.transpose(0, 1)
                 continue
-            if ctx == 0 and window is None:
+            if ctx == 0 and window is None and self.spec.fp8_cache:
+                # a fresh prompt over its own fp8 keys (heads repeated): flash, causal
+                k, v = self._gather(kv_cache, md.block_tables[i], seq_lens[i])
+                o = F.scaled_dot_product_attention(
+                    q, k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=self.spec.softmax_scale,
+                )
+            elif ctx == 0 and window is None:
                 k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q, D]
                 v = value[rows].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
@@ -198,11 +216,19 @@ class CudaPagedAttention(AttentionBackend):
         """Keys/values of positions [0, length) of one sequence, each [H, length, D] with
         the kv heads repeated for their query groups."""
         bs = kv_cache.shape[3]
-        blocks = kv_cache.index_select(0, block_table[: -(-length // bs)])  # [nb, 2, Hkv, bs, D]
+        ids = block_table[: -(-length // bs)]
+        if self.spec.fp8_cache:  # gathered as bytes, then read as codes * scale
+            blocks = kv_cache.view(torch.uint8).index_select(0, ids).view(FP8)
+        else:
+            blocks = kv_cache.index_select(0, ids)  # [nb, 2, Hkv, bs, D]
         kv = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :length]  # [2, Hkv, length, D]
+        k, v = kv[0], kv[1]
+        if self.spec.fp8_cache:  # python-float scales: no host->device copy per layer
+            k = (k.float() * self._scales[0]).to(self.spec.dtype)
+            v = (v.float() * self._scales[1]).to(self.spec.dtype)
         if self.group > 1:
-            kv = kv.repeat_interleave(self.group, dim=1)
-        return kv[0], kv[1]
+            k, v = k.repeat_interleave(self.group, dim=0), v.repeat_interleave(self.group, dim=0)
+        return k, v
 
     def _mask(self, q_len: int, kv_len: int, device: torch.device):
         """Causal mask aligned to the end (query t sits at position kv_len - q_len + t)."""
@@ -258,12 +284,14 @@ def check_spec(spec: AttentionSpec) -> None:
     problems = []
     if spec.head_size not in SUPPORTED_HEAD_SIZES:
         problems.append(f"head size {spec.head_size} (supported: {SUPPORTED_HEAD_SIZES})")
-    elif spec.head_size == 256 and spec.dtype == torch.float32:
-        problems.append("head size 256 in float32 (256 is supported in bfloat16 and float16)")
+    elif spec.head_size == 256 and spec.cache_dtype == torch.float32:
+        problems.append("head size 256 with a float32 cache (256 is supported in bfloat16, float16 and fp8)")
     if spec.block_size not in SUPPORTED_BLOCK_SIZES:
         problems.append(f"block size {spec.block_size} (supported: {SUPPORTED_BLOCK_SIZES})")
     if spec.dtype not in SUPPORTED_DTYPES:
         problems.append(f"dtype {spec.dtype} (supported: bfloat16, float16, float32)")
+    if spec.kv_cache_dtype not in (None, spec.dtype, FP8):
+        problems.append(f"KV cache dtype {spec.kv_cache_dtype} (supported: the compute dtype, float8_e4m3fn)")
     if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
         problems.append(
             f"{spec.num_heads} query heads over {spec.num_kv_heads} kv heads (must divide)"

@@ -83,3 +83,7 @@ class CudaPlatform(GpuPlatform):
         from platforms.cuda.quant import QUANTIZED_LINEAR
 
         return dict(QUANTIZED_LINEAR)
+
+    @classmethod
+    def kv_cache_dtypes(cls) -> tuple[str, ...]:
+        return ("fp8_e4m3",)  # csrc/ cache write and decode kernels, SDPA prompts

@@ -149,3 +149,9 @@ class RocmPlatform(GpuPlatform):
         # The CUDA platform's quantized kernels are not built or checked for HIP (its fp8
         # is e4m3fnuz on MI300): quantized checkpoints load dequantized here.
         return dict.fromkeys(("fp8", "compressed-tensors", "awq", "gptq", "gguf"))
+
+    @classmethod
+    def kv_cache_dtypes(cls) -> tuple[str, ...]:
+        # The fp8 cache kernels are not built for HIP (MI300's native fp8 is e4m3fnuz, not the
+        # e4m3fn the cache stores): --kv-cache-dtype fp8 is refused here at start.
+        return ()
