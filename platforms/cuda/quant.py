@@ -161,7 +161,7 @@ def block_scaled_rows(device: torch.device) -> int:
     for align in BLOCK_ROW_ALIGNMENTS:
         try:
             ok = all(_probe_rows(probe, dense, m, gen) for m in (align, 3 * align))
-        except RuntimeError as e:  # cuBLASLt's refusal (CUBLAS_STATUS_NOT_SUPPORTED)
+        except (RuntimeError, ValueError) as e:  # cuBLASLt's refusal, or torch's (not sm_90)
             ok, failure = False, str(e).splitlines()[0]
         if ok:
             logger.info("fp8 block-scaled prefill on %s: torch._scaled_mm, rows padded to a multiple of %d",
