@@ -279,7 +279,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
             return DoneStep(ModelRunnerOutput({}, {}))
-        mask = sched.grammar.for_rows([s.seq_id for s in scheduled]) if sched.grammar is not None else None
+        mask = None
+        if sched.grammar is not None:
+            mask = sched.grammar.for_rows([s.seq_id for s in scheduled], self.setup.ops.grammar_bitmask)
         drawn = self.sampler.draw(logits, padded.rows, bitmask=mask)
         # The next step's placeholder tokens read these without a host round trip.
         self.batch.record_sampled(padded.batch_rows, padded.recorded(drawn.token_ids, self.sampler.staging))

@@ -274,6 +274,23 @@ def test_sampling_compiles_once_per_bucket_of_sampled_rows(platform, metrics, tm
     assert late["one first"] == 0, f"compiled {late['one first']} programs for shapes seen before: {seen}"
 
 
+def test_grammar_masks_apply_on_the_xla_device(platform):
+    """The TPU keeps the default grammar_bitmask op: the unpack runs on the XLA device and
+    agrees with the host path on fresh random logits and masks."""
+    from core.ops import DEFAULT_OPS
+    from core.structured_output import apply_bitmask_host
+
+    op = {**DEFAULT_OPS, **platform.ops()}["grammar_bitmask"]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 1000, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_bitmask_host(want, mask, rows=[4, 0, 2])
+    got = logits.to(platform.device(0))
+    op(got, mask, [4, 0, 2])
+    assert torch.equal(got.cpu(), want)
+
+
 def test_copy_and_swap_blocks_move_whole_blocks(platform):
     spec = make_spec(torch.float32, 16)
     case = PagedCase(platform, spec, 10, seeded("tpu blocks"))
