@@ -112,6 +112,11 @@ class BatchShaper(ABC):
     def shape(self, step: HostStep) -> HostStep:
         """The padded step (host arrays only: no device work)."""
 
+    def pad_sampled(self, n: int) -> int:
+        """Rows the LM head and the sampler run on for ``n`` sampled sequences (>= n; the
+        runner pads with copies, see :mod:`core.sampler.padding`). Default: ``n``."""
+        return n
+
 
 class BucketedBatchShaper(BatchShaper):
     """Pads each dimension to the bucket ``buckets`` gives it (see module docstring).
@@ -158,6 +163,11 @@ class BucketedBatchShaper(BatchShaper):
             max_query_len=query,
             max_seq_len=width * self.block_size,
         )
+
+
+    def pad_sampled(self, n: int) -> int:
+        """The sequences bucket: a step samples at most one row per sequence."""
+        return _padded(self.buckets.pad_seqs, n)
 
 
 def _padded(pad: Callable[[int], int], n: int) -> int:

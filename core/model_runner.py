@@ -27,6 +27,7 @@ from core.pooling import PoolingState
 from core.quantization.kv_cache import KVCacheFormat, describe_kv_dtype, kv_cache_format
 from core.quantization.linear import linear_method_for
 from core.sampler import Sampler, Staging, prompt_logprobs
+from core.sampler.padding import pad_sampled_rows
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledSequence, SchedulerOutput
 from core.step_handle import (
@@ -292,18 +293,23 @@ class ModelRunner:
         pooled = self._pool(sched, hidden, qsl)
         if not rows:
             return DoneStep(ModelRunnerOutput({}, prompt_lp, pooled))
-        last = self.sampler.staging([qsl[i + 1] - 1 for i in rows], torch.int64, hidden.device)
+        scheduled = [sched.scheduled[i] for i in rows]
+        # Static-shape devices: the LM head and sampler run on a bucketed number of rows.
+        size = self.batch.shaper.pad_sampled(len(rows)) if self.batch.shaper is not None else len(rows)
+        padded = pad_sampled_rows(scheduled, [qsl[i + 1] - 1 for i in rows], [batch_rows[i] for i in rows], size)
+        last = self.sampler.staging(padded.hidden_rows, torch.int64, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.setup.comm.rank != 0:
             return DoneStep(ModelRunnerOutput({}, {}))
-        scheduled = [sched.scheduled[i] for i in rows]
-        mask = sched.grammar.for_rows([s.seq_id for s in scheduled]) if sched.grammar is not None else None
-        drawn = self.sampler.draw(logits, scheduled, bitmask=mask)
+        mask = None
+        if sched.grammar is not None:
+            mask = sched.grammar.for_rows([s.seq_id for s in scheduled], self.setup.ops.grammar_bitmask)
+        drawn = self.sampler.draw(logits, padded.rows, bitmask=mask)
         # The next step's placeholder tokens read these without a host round trip.
-        self.batch.record_sampled([batch_rows[i] for i in rows], drawn.token_ids)
+        self.batch.record_sampled(padded.batch_rows, padded.recorded(drawn.token_ids, self.sampler.staging))
         if any(s.params.logprobs is not None for s in scheduled):
             # Top logprobs are built on the host from a read-back: this step waits now.
-            out = self.sampler.finish(scheduled, drawn)
+            out = self.sampler.finish(padded.rows, drawn)
             sampled = {
                 s.seq_id: SampledToken(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
                 for j, s in enumerate(scheduled)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from core.sampler.kernel import NO_KERNEL
+from core.structured_output.bitmask import apply_bitmask_default
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,6 +135,10 @@ DEFAULT_OPS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType(
         # Not a layer op: the sampler's fused kernel (core.sampler.kernel.SamplingKernel);
         # the default accepts nothing, so the sampler's torch pipeline runs.
         "sampling_kernel": NO_KERNEL,
+        # Not a layer op: how the sampler applies structured output's token bitmasks
+        # (core.structured_output.bitmask); the default masks on the logits' device, a
+        # platform whose device cannot run the unpack ops supplies apply_bitmask_host.
+        "grammar_bitmask": apply_bitmask_default,
     }
 )
 

@@ -262,7 +262,11 @@ class Platform(ABC):
 
     def ops(self) -> dict[str, Any]:
         """Platform kernels overriding entries of :data:`core.ops.DEFAULT_OPS` by name
-        (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, lm_head). Default: none."""
+        (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, lm_head, fused_moe,
+        sampling_kernel, grammar_bitmask). ``grammar_bitmask`` is how structured output's
+        token masks reach the logits: the default unpacks them with torch ops on the
+        device; a device that cannot run those supplies
+        ``core.structured_output.bitmask.apply_bitmask_host``. Default: none."""
         return {}
 
     def supported_weight_formats(self) -> tuple[str, ...]:

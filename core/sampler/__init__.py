@@ -4,8 +4,9 @@ One module per stage: :mod:`~core.sampler.rows` (the narrow row type and per-cal
 parameters), :mod:`~core.sampler.processors` (min_tokens, logit bias, penalties),
 :mod:`~core.sampler.filters` (top-k, top-p, min-p), :mod:`~core.sampler.draw` (uniforms and
 the inverse CDF), :mod:`~core.sampler.logprobs`, :mod:`~core.sampler.sampler` (the
-pipeline), and :mod:`~core.sampler.kernel` (the contract of a platform's fused kernel that
-replaces the pipeline in one launch, e.g. csrc/sampling on CUDA).
+pipeline), :mod:`~core.sampler.kernel` (the contract of a platform's fused kernel that
+replaces the pipeline in one launch, e.g. csrc/sampling on CUDA), and
+:mod:`~core.sampler.padding` (sampled rows padded to a static-shape device's bucket).
 """
 
 from core.sampler.logprobs import prompt_logprobs

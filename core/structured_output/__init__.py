@@ -4,8 +4,8 @@ Lark or GBNF grammar), built on llguidance.
 The engine builds one :class:`GrammarCompiler` per tokenizer, compiles each request's
 :class:`GrammarSpec` off its loop (``submit`` returns a future), gives each sequence a
 :class:`GrammarMatcher`, fills one bitmask row per constrained sequence each step
-(:func:`fill_bitmasks`) and the sampler applies them (:func:`apply_bitmask`, or
-:func:`apply_bitmask_host` where the device cannot). The engine core's side is
+(:func:`fill_bitmasks`) and the sampler applies them with the platform's ``grammar_bitmask``
+op (:func:`apply_bitmask_default`, or :func:`apply_bitmask_host` where the device cannot). The engine core's side is
 :mod:`core.structured_output.engine`; docs/structured_output.md says how it is wired.
 """
 
@@ -13,6 +13,7 @@ from core.structured_output.bitmask import (
     allocate_bitmask,
     apply_bitmask,
     apply_bitmask_compiled,
+    apply_bitmask_default,
     apply_bitmask_host,
     apply_bitmask_numpy,
     unpack_bitmask,
@@ -31,6 +32,7 @@ __all__ = [
     "allocate_bitmask",
     "apply_bitmask",
     "apply_bitmask_compiled",
+    "apply_bitmask_default",
     "apply_bitmask_host",
     "apply_bitmask_numpy",
     "close_objects",

@@ -12,16 +12,20 @@ unpack and fill, fused): 30x faster than the eager ops on a CPU (docs/benchmarks
 structured_output.md), but it needs a working ``torch.compile`` backend for the device (a C++
 compiler on CPU, Triton on CUDA/ROCm) and compiles for seconds on first use, so the engine
 does not use it. :func:`apply_bitmask_host` is the fallback for a device that cannot run
-these ops at all (:func:`device_path_works` asks the device once): the constrained rows go
-to the host, are masked there, and come back. All three take the same arguments and give
-the same result.
+these ops at all: the constrained rows go to the host, are masked there, and come back. All
+of them take the same arguments and give the same result.
+
+Which one the engine uses is the platform's choice, not a check at run time: the op table's
+``grammar_bitmask`` entry (:data:`core.ops.DEFAULT_OPS`, overridden by
+``Platform.ops()`` or a plugin's ``core_op_overrides``). The default,
+:func:`apply_bitmask_default`, masks on the logits' device (numpy for logits in host
+memory); a platform whose device cannot run the unpack ops supplies
+:func:`apply_bitmask_host`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +33,8 @@ import torch
 
 from core.platform import in_host_memory
 
-logger = logging.getLogger(__name__)
+BitmaskOp = Callable[[torch.Tensor, torch.Tensor, "Sequence[int] | torch.Tensor | None"], None]
+"""``(logits, bitmask, rows) -> None``: every ``apply_bitmask*`` function (in place)."""
 
 
 def allocate_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
@@ -160,6 +165,17 @@ def apply_bitmask_host(
         logits[index] = part.to(logits.device)
 
 
+def apply_bitmask_default(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None
+) -> None:
+    """The default ``grammar_bitmask`` op: :func:`apply_bitmask` on the logits' device, or
+    :func:`apply_bitmask_numpy` for float32/float64 logits in host memory (faster there)."""
+    if in_host_memory(logits) and logits.dtype in (torch.float32, torch.float64):
+        apply_bitmask_numpy(logits, bitmask, rows)
+    else:
+        apply_bitmask(logits, bitmask, rows)
+
+
 # ---- one step's masks, from the engine core to the sampler -------------------------------------
 @dataclass(frozen=True)
 class StepBitmask:
@@ -171,8 +187,9 @@ class StepBitmask:
     bitmask: torch.Tensor
     """``[len(seq_ids), ceil(vocab / 32)]`` int32, on the host."""
 
-    def for_rows(self, row_seq_ids: Sequence[int]) -> RowBitmask:
-        """The masks addressed to the sampler's rows (``row_seq_ids[i]`` is row i's sequence).
+    def for_rows(self, row_seq_ids: Sequence[int], apply: BitmaskOp = apply_bitmask_default) -> RowBitmask:
+        """The masks addressed to the sampler's rows (``row_seq_ids[i]`` is row i's sequence),
+        to be applied with ``apply`` (the platform's ``grammar_bitmask`` op).
 
         :raises ValueError: a masked sequence is not among the rows (a runner bug).
         """
@@ -180,7 +197,7 @@ class StepBitmask:
         missing = [s for s in self.seq_ids if s not in where]
         if missing:
             raise ValueError(f"grammar masks for sequences {missing[:5]} that this step does not sample")
-        return RowBitmask(self.bitmask, tuple(where[s] for s in self.seq_ids))
+        return RowBitmask(self.bitmask, tuple(where[s] for s in self.seq_ids), apply)
 
 
 @dataclass(frozen=True)
@@ -189,41 +206,12 @@ class RowBitmask:
 
     bitmask: torch.Tensor
     rows: tuple[int, ...]
+    op: BitmaskOp = apply_bitmask_default
+    """The platform's ``grammar_bitmask`` op (see the module docstring)."""
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Forbidden tokens of the masked rows to ``-inf``, in place: on the logits' device
-        where it runs the unpack ops correctly (checked once per device type), else through
-        the host."""
+        """Forbidden tokens of the masked rows to ``-inf``, in place, with :attr:`op`."""
         if not self.rows:
             return
         rows = None if self.rows == tuple(range(logits.shape[0])) else list(self.rows)
-        if in_host_memory(logits) and logits.dtype in (torch.float32, torch.float64):
-            apply_bitmask_numpy(logits, self.bitmask, rows)
-        elif in_host_memory(logits) or device_path_works(logits.device.type):
-            apply_bitmask(logits, self.bitmask, rows)
-        else:
-            apply_bitmask_host(logits, self.bitmask, rows)
-
-
-@functools.cache
-def device_path_works(device_type: str) -> bool:
-    """Whether :func:`apply_bitmask` gives :func:`apply_bitmask_host`'s result on this kind
-    of device: asked of the device itself, once, on random logits and masks (a device
-    without uint8 shifts or boolean ``masked_fill`` raises or differs; it gets the host
-    path). Host memory needs no check (callers ask only for other devices): the host
-    path is the reference."""
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 100, generator=gen)
-    mask = torch.randint(-(2**31), 2**31 - 1, (2, 4), generator=gen, dtype=torch.int64).to(torch.int32)
-    want = logits.clone()
-    apply_bitmask_host(want, mask, [0, 2])
-    try:
-        got = logits.to(device_type)
-        apply_bitmask(got, mask, [0, 2])
-        ok = torch.equal(got.cpu(), want)
-    except Exception as e:  # noqa: BLE001 - any failure of the ops means: use the host path
-        logger.warning("grammar masks on %s: the device path failed (%s); masking on the host", device_type, e)
-        return False
-    if not ok:
-        logger.warning("grammar masks on %s: the device path gave a wrong result; masking on the host", device_type)
-    return ok
+        self.op(logits, self.bitmask, rows)

@@ -8,7 +8,10 @@ Per step size (the number of activation rows ``M``):
 * larger steps (prefill): FP8 weights go through ``torch._scaled_mm`` (cuBLASLt FP8 tensor
   cores) with activations quantized per token while running (per token and 128 inputs for
   128-input weight groups); integer weights are dequantized once by ``core_C.quant_dequant``
-  and multiplied by one dense GEMM.
+  and multiplied by one dense GEMM. Block-scaled FP8 takes ``_scaled_mm`` only where a
+  one-time probe of the device found cuBLASLt accepting it (:func:`block_scaled_rows`), with
+  the activation rows padded to the alignment the probe found; otherwise it is dequantized
+  and multiplied like the integer weights (logged once).
 
 Which path wins for decode is measured by ``python -m platforms.cuda.quant_bench`` (the
 GEMV against ``_scaled_mm`` and against bf16 cuBLAS per Llama-3-8B shape); the crossover is
@@ -17,6 +20,8 @@ GEMV against ``_scaled_mm`` and against bf16 cuBLAS per Llama-3-8B shape); the c
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +31,8 @@ from core.quantization.base import QuantizationMethod
 from core.quantization.linear import KeptQuantizedLinear
 from core.quantization.tensors import FP8_MAX, Fp8Weight, QuantizedWeight
 from platforms.cuda.build import load_ops
+
+logger = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 16
 """Most activation rows multiplied by the GEMV kernel (csrc/quant: kQuantGemvMaxRows)."""
@@ -51,7 +58,10 @@ class PackedQuant:
     """GPTQ act-order: the activations' columns are gathered by it first."""
     scale_b: torch.Tensor | None = None
     """FP8 only: the weight scales as torch._scaled_mm takes them ([1, N] per row, or
-    [K / 128, N] for 128-input groups)."""
+    [K / 128, N] for 128-input groups); None where prefill dequantizes instead."""
+    row_align: int = 1
+    """Block-scaled FP8: ``_scaled_mm`` gets its activation rows padded to a multiple of
+    this (see :func:`block_scaled_rows`)."""
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -72,7 +82,10 @@ def _pack(weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
         group = cols if per_row else weight.group
         scale_b = scales.t().contiguous()  # [1, N] or [K / 128, N], as _scaled_mm takes it
         codes = weight.codes.contiguous().view(torch.uint8).to(device)
-        return PackedQuant(codes, scales, None, FP8, group, None, scale_b)
+        align = 1 if per_row else block_scaled_rows(torch.device(device))
+        if not align:
+            scale_b = None  # cuBLASLt refused block scales here: prefill dequantizes
+        return PackedQuant(codes, scales, None, FP8, group, None, scale_b, max(align, 1))
     if weight.group % 32:
         return None
     codes = pack_int4_rows(weight.codes) if weight.bits == 4 else weight.codes.view(torch.uint8).contiguous()
@@ -107,9 +120,68 @@ def quantize_rows_fp8(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor,
 def fp8_scaled_mm(p: PackedQuant, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T through torch._scaled_mm; returns bfloat16 [M, N]."""
     block = p.scale_b.shape[0] != 1
+    rows = x.shape[0]
+    pad = -rows % p.row_align
+    if pad:  # zero rows: their scales clamp to 1e-12 / 448 and their outputs are dropped
+        x = F.pad(x, (0, 0, 0, pad))
     xq, scale_a = quantize_rows_fp8(x, _FP8_GROUP if block else None)
     w = p.codes.view(torch.float8_e4m3fn).t()  # [K, N], column-major, as cuBLASLt wants
-    return torch._scaled_mm(xq, w, scale_a=scale_a, scale_b=p.scale_b, out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(xq, w, scale_a=scale_a, scale_b=p.scale_b, out_dtype=torch.bfloat16)
+    return y[:rows] if pad else y
+
+
+BLOCK_ROW_ALIGNMENTS = (4, 16, 128)
+"""Row alignments :func:`block_scaled_rows` tries, smallest first. On the H200 (torch
+2.11+cu130) cuBLASLt refused 1x128-scaled activations of 17 rows
+(``CUBLAS_STATUS_NOT_SUPPORTED`` from ``cublasLtMatmulAlgoGetHeuristic``) and took 200; the
+activation scales are outer-dim-major ``[M, K / 128]``, so M sets the alignment of each of
+their columns, and PyTorch's own tests use only multiples of 128."""
+
+
+@functools.cache
+def block_scaled_rows(device: torch.device) -> int:
+    """The row alignment under which ``torch._scaled_mm`` multiplies 1x128-scaled activations
+    by 128-input-group-scaled FP8 weights correctly on ``device``, or 0 when it does not.
+
+    Probed once per device, while the weights load (never inside a graph capture): for each
+    of :data:`BLOCK_ROW_ALIGNMENTS`, two row counts (1x and 3x the alignment) must run and
+    agree with the dequantized product. cuBLASLt's support depends on the GPU, the CUDA and
+    cuBLAS versions and the shapes, and its documentation does not list a row constraint, so
+    the device is asked instead of a table. A refusal is logged once, and prefill then
+    dequantizes the weight and runs one bf16 GEMM (correct, slower)."""
+    gen = torch.Generator().manual_seed(0)
+    k, n = 2 * _FP8_GROUP, 128
+    w = torch.randn(n, k, generator=gen)
+    scales = (w.abs().view(n, k // _FP8_GROUP, _FP8_GROUP).amax(dim=2) / FP8_MAX).clamp_(min=1e-12)
+    codes = (w / scales.repeat_interleave(_FP8_GROUP, dim=1)).to(torch.float8_e4m3fn)
+    dense = codes.float() * scales.repeat_interleave(_FP8_GROUP, dim=1)
+    probe = PackedQuant(codes.view(torch.uint8).to(device), scales.to(device), None, FP8, _FP8_GROUP,
+                        None, scales.t().contiguous().to(device))
+    failure = ""
+    for align in BLOCK_ROW_ALIGNMENTS:
+        try:
+            ok = all(_probe_rows(probe, dense, m, gen) for m in (align, 3 * align))
+        except (RuntimeError, ValueError) as e:  # cuBLASLt's refusal, or torch's (not sm_90)
+            ok, failure = False, str(e).splitlines()[0]
+        if ok:
+            logger.info("fp8 block-scaled prefill on %s: torch._scaled_mm, rows padded to a multiple of %d",
+                        device, align)
+            return align
+    logger.warning("fp8 block-scaled prefill on %s: torch._scaled_mm %s for every row alignment in %s; "
+                   "block-scaled FP8 layers dequantize to the compute dtype for prefill (slower)",
+                   device, f"failed ({failure})" if failure else "gave wrong results", list(BLOCK_ROW_ALIGNMENTS))
+    return 0
+
+
+def _probe_rows(probe: PackedQuant, dense: torch.Tensor, rows: int, gen: torch.Generator) -> bool:
+    """Whether the block-scaled product of ``rows`` random rows is within fp8's error of the
+    float64 one: relative error below 5 % (one e4m3 rounding of the activations is at most
+    2^-4 relative per element, about 2-3 % over a row; a wrong scale layout is off by 100 %)."""
+    x = torch.randn(rows, dense.shape[1], generator=gen)
+    got = fp8_scaled_mm(probe, x.to(torch.bfloat16).to(probe.codes.device))  # row_align 1: as given
+    want = x.to(torch.bfloat16).double() @ dense.double().T
+    err = (got.double().cpu() - want).norm() / want.norm()
+    return bool(err < 0.05)
 
 
 class CudaQuantizedLinear(KeptQuantizedLinear):
@@ -132,7 +204,7 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
             load_ops().quant_gemv(y, x2, packed.codes, packed.scales, packed.mins, packed.code, packed.group)
             if bias is not None:
                 y += bias
-        elif packed.code == FP8:
+        elif packed.code == FP8 and packed.scale_b is not None:
             y = fp8_scaled_mm(packed, x2).to(x.dtype)
             if bias is not None:
                 y += bias

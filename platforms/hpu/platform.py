@@ -22,12 +22,14 @@ import importlib
 import importlib.util
 import os
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from core.attention import AttentionBackend, AttentionSpec
 from core.batch_shape import BatchShaper, BucketedBatchShaper
 from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
+from core.structured_output.bitmask import apply_bitmask_host
 from platforms.hpu.attention import HpuAttentionBackend
 from platforms.hpu.buckets import BucketPolicy
 
@@ -118,6 +120,13 @@ class HpuPlatform(Platform):
         self, spec: AttentionSpec, requested: str | None = None
     ) -> type[AttentionBackend]:
         return builtin_backend(self.name, requested, HpuAttentionBackend)
+
+    def ops(self) -> dict[str, Any]:
+        """On a Gaudi, grammar masks go through the host: the device unpack (uint8 shifts, a
+        boolean ``masked_fill`` on gathered rows) has never run on an HPU (verification:
+        emulated), and the host path is the tested fallback. The emulation's tensors are on
+        the host already, where the default op is right."""
+        return {} if self.emulated else {"grammar_bitmask": apply_bitmask_host}
 
     def batch_shaper(self, block_size: int) -> BatchShaper:
         """Every step padded to :class:`~platforms.hpu.buckets.BucketPolicy` on the host, so

@@ -8,7 +8,10 @@ of the true size, at least a minimum:
 * **rows** of the step (tokens): at least ``min_tokens`` (16);
 * **sequences** of each group (prefills, decodes): at least ``min_seqs`` (8);
 * **query rows per prefill** (the longest prefill chunk): at least ``min_query`` (16);
-* **block-table width** (the most blocks one sequence reads): at least ``min_blocks`` (1).
+* **block-table width** (the most blocks one sequence reads): at least ``min_blocks`` (1);
+* **sampled rows** (the LM head's and the sampler's rows): the sequences bucket, at least
+  ``min_seqs`` (:meth:`core.batch_shape.BatchShaper.pad_sampled`, copies of the last row,
+  :mod:`core.sampler.padding`).
 
 Powers of two waste at most half of each padded dimension and keep the number of compiled
 programs logarithmic in the engine's limits (:meth:`TpuBuckets.max_shapes`). A decode batch

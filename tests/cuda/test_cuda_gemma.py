@@ -130,7 +130,10 @@ def test_backend_forward_gemma_layers(batch, window, dtype, head, cap):
 def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, case):
     """fp32: greedy tokens identical to HF's through batching, CUDA graphs (the default), and
     a small cache with a 7-token step budget (chunked prefills, preemptions)."""
+    import json
+
     from core import LLM
+    from platforms.cuda.attention import SUPPORTED_HEAD_SIZES
     from tests.integration.test_engine_hf import (
         assert_all_blocks_free,
         hf_greedy,
@@ -139,8 +142,11 @@ def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, case):
     )
     from tests.integration.test_models_hf import VOCAB, tiny_dir
 
-    # head size 64: the CUDA kernels support 64 and 128, not the CPU cases' 16
+    # head size 64: the CUDA kernels support 64 and 128, not the CPU cases' 16. Checked in
+    # the saved config, so the case cannot silently fall back to the family's 16.
     path = tiny_dir(tmp_path, case, hidden_size=256, head_dim=64, query_pre_attn_scalar=48)
+    config = json.loads((path / "config.json").read_text())
+    assert config["head_dim"] == 64 and config["head_dim"] in SUPPORTED_HEAD_SIZES, config
     prompts = random_prompts(6, VOCAB, seed=5, lo=5, hi=50)
     expected = hf_greedy(path, prompts, 16)
     llm = LLM(model=str(path), platform="cuda", dtype="float32", block_size=16)

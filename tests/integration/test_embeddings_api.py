@@ -27,6 +27,8 @@ from tests.integration import live_server
 
 pytestmark = pytest.mark.slow
 
+ALIAS = "embed-alias"
+"""A second --served-model-name (live_server names the model "tiny" first)."""
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello", "Embeddings are pooled hidden states " * 4]
 
 
@@ -44,7 +46,7 @@ def hf(model_dir):
 @pytest.fixture(scope="module", params=["last", "mean"])
 def server(request, model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp(f"embed-{request.param}") / "server.log"
-    extra = ["--task", "embed", "--pooling-type", request.param]
+    extra = ["--task", "embed", "--pooling-type", request.param, "--served-model-name", ALIAS]
     if request.param == "mean":
         extra += ["--max-num-batched-tokens", "16"]
     srv = live_server.start(model_dir, log, *extra)
@@ -109,6 +111,14 @@ def test_base64_and_the_openai_sdk(server, hf):
     assert len(res.data) == 2 and res.usage.prompt_tokens == len(tok.encode("hello")) + len(tok.encode(TEXTS[0]))
     torch.testing.assert_close(torch.tensor(res.data[1].embedding),
                                _reference(hf, tok.encode(TEXTS[0]), server.pooling, True), atol=2e-5, rtol=1e-4)
+
+
+def test_the_response_names_the_alias_sent(server):
+    by_alias = _embed(server, input="hello", model=ALIAS)
+    assert by_alias.status_code == 200, by_alias.text
+    assert by_alias.json()["model"] == ALIAS
+    assert _embed(server, input="hello").json()["model"] == "tiny"
+    assert by_alias.json()["data"] == _embed(server, input="hello").json()["data"]
 
 
 @pytest.mark.parametrize("body,param,fragment", [

@@ -128,6 +128,34 @@ def test_every_served_name_is_listed_and_accepted(server):
     assert all(repr(n) in r.json()["error"]["message"] for n in NAMES)
 
 
+def _streamed_models(server, path: str, body: dict) -> list[str]:
+    """The ``model`` of every chunk of a streamed response."""
+    models = []
+    with httpx2.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                models.append(json.loads(line[len("data: "):])["model"])
+    return models
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_responses_name_the_alias_the_client_sent(server, name):
+    """Each response (and every streamed chunk) carries the alias its request named, as
+    vLLM answers; a request naming no model gets the first name."""
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    completion = {"model": name, "prompt": "hi", "max_tokens": 2}
+    assert _post(server, "/v1/chat/completions", chat).json()["model"] == name
+    assert _post(server, "/v1/completions", completion).json()["model"] == name
+    usage = {"stream_options": {"include_usage": True}}
+    chunks = _streamed_models(server, "/v1/chat/completions", {**chat, **usage})
+    assert len(chunks) >= 2 and set(chunks) == {name}
+    chunks = _streamed_models(server, "/v1/completions", {**completion, **usage, "echo": True})
+    assert len(chunks) >= 2 and set(chunks) == {name}
+    unnamed = {k: v for k, v in completion.items() if k != "model"}
+    assert _post(server, "/v1/completions", unnamed).json()["model"] == NAMES[0]
+
+
 # ---- --generation-config auto ---------------------------------------------------------------
 def _completion(server, **fields) -> dict:
     r = _post(server, "/v1/completions", {"prompt": "The weather", "ignore_eos": True, **fields})

@@ -412,12 +412,6 @@ def test_step_bitmask_addresses_the_sampler_rows_by_sequence():
         step.for_rows([5, 9])
 
 
-def test_device_path_is_trusted_on_the_cpu():
-    from core.structured_output.bitmask import device_path_works
-
-    assert device_path_works("cpu")
-
-
 class _Scheduler:
     """The two scheduler calls StructuredOutputs makes."""
 

@@ -19,6 +19,7 @@ from core.conformance.harness import SENTINEL, PagedCase, make_spec, mismatch, s
 from core.platform import Capability
 from core.plugins import Plugins
 from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
+from platforms.tpu.buckets import TpuBuckets
 from platforms.tpu.platform import TpuPlatform
 
 HAVE_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -211,6 +212,83 @@ def test_engine_steps_compile_once_per_bucket(platform, metrics, tmp_path, monke
         seen.add(key)
     assert not again, f"steps {again} recompiled a shape seen before:\n{table}"
     assert sum(steps.compiles) <= len(seen), f"more compilations than shapes:\n{table}"
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "temperature-top-k"])
+def test_sampling_compiles_once_per_bucket_of_sampled_rows(platform, metrics, tmp_path, monkeypatch, sampling):
+    """The LM head and the sampler run on the sequence bucket of the sampled-row count
+    (TpuBuckets.pad_seqs: 8 or 16 here), not on the count itself. Two workloads of 16
+    requests with the same prompts: in the first the requests finish in pairs, so decode
+    steps sample 16, 14, ..., 2 rows; in the second one finishes first, so they sample 15,
+    13, ..., 1, with the same forward shapes and the same buckets (checked). From its first
+    decode step on, the second workload must compile nothing (the first two cuts of a run
+    also execute what the previous run left queued, its last row removals, beside the new
+    prefill); without bucketing each new count compiles the step's sampling program again.
+    Greedy tokens equal the CPU platform's; seeded temperature + top-k rows (every row the
+    same parameters, as a server's default) compile alike."""
+    import core
+    import core.model_runner as runner_module
+    from core.conformance.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "tiny")
+    # prompts of 4-6 tokens and at most 10 new ones: every context fits one 16-token block
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + i % 3)] for i in range(16)]
+    runs = {"pairs": [2 + i // 2 for i in range(16)], "one first": [2 + (i + 1) // 2 for i in range(16)]}
+    args = dict(model=str(model), dtype="float32", seed=0, max_model_len=64, max_num_seqs=16,
+                max_num_batched_tokens=128, kv_cache_memory=8 << 20)
+    cpu = core.LLM(platform="cpu", **args)
+    tpu = core.LLM(platform="tpu", **args)
+
+    steps: list = []  # per launched step: [forward shape key, sampled rows, compiles before its cut]
+    shape, pad = BucketedBatchShaper.shape, runner_module.pad_sampled_rows
+
+    def recording_shape(shaper, host):
+        mark = metrics.counter_value("UncachedCompile") or 0
+        shaped = shape(shaper, host)
+        key = (len(shaped.input_ids), shaped.num_prefills, shaped.max_query_len, shaped.block_tables.shape[1])
+        steps.append([key, None, mark])
+        return shaped
+
+    def recording_pad(rows, hidden_rows, batch_rows, size):
+        steps[-1][1] = len(rows)
+        return pad(rows, hidden_rows, batch_rows, size)
+
+    monkeypatch.setattr(BucketedBatchShaper, "shape", recording_shape)
+    monkeypatch.setattr(runner_module, "pad_sampled_rows", recording_pad)
+    seen, late = {}, {}
+    for name, max_tokens in runs.items():
+        knobs = dict(temperature=0) if sampling == "greedy" else dict(temperature=0.8, top_k=20)
+        params = [core.SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **knobs)
+                  for i, m in enumerate(max_tokens)]
+        steps.clear()
+        out = tpu.generate(prompts, params, use_tqdm=False)
+        late[name] = (metrics.counter_value("UncachedCompile") or 0) - steps[2][2]
+        seen[name] = [(key, rows) for key, rows, _ in steps]
+        if sampling == "greedy":
+            want = cpu.generate(prompts, params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in out] == [list(o.outputs[0].token_ids) for o in want]
+    first, second = ({rows for _, rows in seen[k][2:]} for k in runs)
+    assert len(first) >= 7 and len(second) >= 7 and not first & second, seen
+    assert {TpuBuckets().pad_seqs(r) for r in first} == {TpuBuckets().pad_seqs(r) for r in second} == {8, 16}
+    assert {key for key, _ in seen["one first"]} <= {key for key, _ in seen["pairs"]}, seen
+    assert late["one first"] == 0, f"compiled {late['one first']} programs for shapes seen before: {seen}"
+
+
+def test_grammar_masks_apply_on_the_xla_device(platform):
+    """The TPU keeps the default grammar_bitmask op: the unpack runs on the XLA device and
+    agrees with the host path on fresh random logits and masks."""
+    from core.ops import DEFAULT_OPS
+    from core.structured_output import apply_bitmask_host
+
+    op = {**DEFAULT_OPS, **platform.ops()}["grammar_bitmask"]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 1000, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_bitmask_host(want, mask, rows=[4, 0, 2])
+    got = logits.to(platform.device(0))
+    op(got, mask, [4, 0, 2])
+    assert torch.equal(got.cpu(), want)
 
 
 def test_copy_and_swap_blocks_move_whole_blocks(platform):

@@ -177,7 +177,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
             raise
         raise err from e
     ctx.log_finished(request_id, [out])
-    resp = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=_choices(out, shape, k, texts),
+    resp = ChatCompletionResponse(id=request_id, model=ctx.served.answer_name(req.model), choices=_choices(out, shape, k, texts),
                                   usage=_usage(out), prompt_logprobs=prompt_logprobs_json(out, texts))
     return JSONResponse(resp.model_dump(), headers=headers)
 
@@ -211,8 +211,10 @@ async def _events(
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     k = (req.top_logprobs or 0) if req.logprobs else None
 
+    model = ctx.served.answer_name(req.model)
+
     def sse(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        chunk = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+        chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
         return f"data: {json.dumps(chunk.model_dump())}\n\n"
 
     cursors = [ChoiceCursor() for _ in range(req.n)]

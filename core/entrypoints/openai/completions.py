@@ -101,7 +101,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         raise err from e
     ctx.log_finished(request_id, outs)
     echoes = await _echo_texts(ctx, req, outs)
-    resp = CompletionResponse(id=request_id, model=ctx.model_name, choices=[], usage=_usage(outs))
+    resp = CompletionResponse(id=request_id, model=ctx.served.answer_name(req.model), choices=[], usage=_usage(outs))
     for i, out in enumerate(outs):
         plp = prompt_logprobs_json(out, texts) if req.prompt_logprobs is not None else None
         for comp in out.outputs:
@@ -181,6 +181,7 @@ async def _events(
     ctx: ServerContext, req: CompletionRequest, request_id: str, streams: list, texts: list[str]
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    model = ctx.served.answer_name(req.model)
     stops = tuple([req.stop] if isinstance(req.stop, str) else req.stop or [])
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cursors: dict[int, ChoiceCursor] = {}
@@ -193,7 +194,7 @@ async def _events(
                 echo = out.prompt if out.prompt is not None else await _echo_ids(ctx, out)
                 echoed[i] = len(echo)
                 lp = _echo_logprobs(out, req.logprobs, texts, echo) if req.logprobs is not None else None
-                yield _sse(_chunk(request_id, created, ctx, [
+                yield _sse(_chunk(request_id, created, model, [
                     CompletionChoice(index=i * req.n + k, text=echo, logprobs=lp) for k in range(req.n)]))
             choices = []
             for comp in out.outputs:
@@ -208,13 +209,13 @@ async def _events(
                     choices.append(CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=reason,
                                                     stop_reason=comp.stop_reason if reason else None))
             if choices:
-                yield _sse(_chunk(request_id, created, ctx, choices))
+                yield _sse(_chunk(request_id, created, model, choices))
             if out.finished:
                 finals[i] = out
         outs = [finals[i] for i in sorted(finals)]
         ctx.log_finished(request_id, outs)
         if include_usage:
-            yield _sse(_chunk(request_id, created, ctx, [], _usage(outs)))
+            yield _sse(_chunk(request_id, created, model, [], _usage(outs)))
     except Exception as e:
         err = engine_error(e)
         yield (err if isinstance(err, OpenAIError) else OpenAIError(500, "internal server error")).sse()
@@ -226,6 +227,6 @@ async def _echo_ids(ctx: ServerContext, out: RequestOutput) -> str:
     return await ctx.call_engine(lambda e: e.tokenizer.decode(ids))
 
 
-def _chunk(request_id: str, created: int, ctx: ServerContext, choices: list[CompletionChoice],
+def _chunk(request_id: str, created: int, model: str, choices: list[CompletionChoice],
            usage: Usage | None = None) -> CompletionResponse:
-    return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+    return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)

@@ -144,7 +144,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, ctx: ServerConte
                           f"or send {size}", param="dimensions", code="dimensions_not_supported")
     data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
     n_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    resp = EmbeddingResponse(id=request_id, model=ctx.model_name, data=data,
+    resp = EmbeddingResponse(id=request_id, model=ctx.served.answer_name(req.model), data=data,
                              usage=EmbeddingUsage(prompt_tokens=n_tokens, total_tokens=n_tokens))
     return JSONResponse(resp.model_dump())
 

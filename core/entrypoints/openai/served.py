@@ -14,8 +14,9 @@ from core.entrypoints.openai.generation_config import GenerationDefaults
 @dataclass(frozen=True)
 class ServedModel:
     names: tuple[str, ...]
-    """Every name a client may send as ``model``; the first one answers in responses and
-    labels the metrics (as vLLM uses its first served name)."""
+    """Every name a client may send as ``model``. A response carries the name its request
+    sent (:meth:`answer_name`); the first one answers requests that send none and labels the
+    metrics (as vLLM uses its first served name)."""
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
@@ -27,6 +28,12 @@ class ServedModel:
     @property
     def primary(self) -> str:
         return self.names[0]
+
+    def answer_name(self, requested: str | None) -> str:
+        """The ``model`` a response carries: the alias the client sent (so a client that
+        routes by name sees its own), or the first name when it sent none. ``requested``
+        has passed :meth:`ServerContext.check_model`, so it is one of :attr:`names`."""
+        return requested if requested in self.names else self.primary
 
     def shown(self) -> str:
         """The names for an error message (quoted, clipped)."""
