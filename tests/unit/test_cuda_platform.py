@@ -120,21 +120,26 @@ def test_plugin_registers_through_the_public_hook():
     assert plugins.platforms()["cuda"][1] is CudaPlatform
 
 
-def test_gemma2_soft_capping_is_refused_until_verified_on_a_gpu():
-    """Gemma 2's capped attention disagreed with transformers on the H200 (2026-12-01), so the
-    GPU platforms refuse it at start with the reason and the fix; uncapped configs pass."""
+def test_gemma2_is_refused_on_gpus_until_verified():
+    """Tiny Gemma 2 models, soft-capped or not, disagreed with transformers on the H200
+    (2026-12-01/02), so the GPU platforms refuse the architecture at start with the reason and
+    the fix; Gemma 3 (verified there) and other architectures pass."""
     from types import SimpleNamespace
 
     from platforms.cuda.platform import CudaPlatform
+    from platforms.rocm.platform import RocmPlatform
 
-    def config(cap):
+    def config(arch, cap):
         hf = SimpleNamespace(head_dim=128, attn_logit_softcapping=cap)
         return SimpleNamespace(
             cache=SimpleNamespace(block_size=16),
             model=SimpleNamespace(dtype="bfloat16", weight_format="dense", hf_config=hf,
-                                  architecture="Gemma2ForCausalLM"),
+                                  architecture=arch),
         )
 
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0.*--platform cpu"):
-        CudaPlatform().validate(config(50.0))
-    assert CudaPlatform().validate(config(None)).model.architecture == "Gemma2ForCausalLM"
+    for platform in (CudaPlatform(), RocmPlatform()):
+        for cap in (50.0, None):
+            with pytest.raises(ValueError, match=r"Gemma2ForCausalLM is not verified.*--platform cpu"):
+                platform.validate(config("Gemma2ForCausalLM", cap))
+    assert CudaPlatform().validate(config("Gemma3ForCausalLM", 50.0)).model.architecture == (
+        "Gemma3ForCausalLM")
