@@ -54,7 +54,7 @@ def test_the_cuda_backend_takes_gemma_head_size_256_in_16_bit_only():
 
     for dtype in (torch.bfloat16, torch.float16):
         check_spec(AttentionSpec(8, 4, 256, dtype, 16, logits_soft_cap=50.0, sliding_window=4096))
-    with pytest.raises(ValueError, match="head size 256 in float32"):
+    with pytest.raises(ValueError, match="head size 256 with a float32 cache"):
         check_spec(AttentionSpec(8, 4, 256, torch.float32, 16))
     with pytest.raises(ValueError, match=r"head size 192 \(supported: \(64, 128, 256\)\)"):
         check_spec(AttentionSpec(8, 4, 192, torch.bfloat16, 16))
