@@ -15,8 +15,6 @@
 // Prompts use the same kernel: once a step's keys and values are in the cache, prompt token t
 // of a sequence with c cached positions is a decode of length c + t + 1 over that sequence's
 // block table, so each query row names its table row (`table_rows`) and its own length.
-#include "paged_attention.h"
-
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -25,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -37,6 +36,7 @@
 
 #include "cpu_math.h"
 #include "isa.h"
+#include "paged_attention.h"
 
 namespace core_cpu {
 
@@ -98,6 +98,14 @@ KvWrite check_kv_write(const at::Tensor& key, const at::Tensor& value, const at:
     TORCH_CHECK(sp[t] < w.num_slots, op, ": slot ", sp[t], " is outside the cache's ", w.num_slots, " slots");
   }
   return {w.row, w.num_slots, w.tokens, sp};
+}
+
+void for_each_written_slot(const KvWrite& w, int64_t grain, const std::function<void(int64_t, int64_t)>& store) {
+  at::parallel_for(0, w.tokens, grain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (w.slots[t] >= 0) store(t, w.slots[t]);
+    }
+  });
 }
 
 // Stores key/value rows at their slots; negative slots are padding and skipped.

@@ -1,14 +1,17 @@
 // The parts of the paged KV cache ops that every cache dtype shares (paged_attention.cpp):
 // argument checks, the slot walk of a cache write, and the decode kernel. The
 // float32/bfloat16/float16 ops (paged_attention.cpp) and the float8_e4m3fn ops
-// (paged_attention_fp8.cpp) are thin wrappers over these.
+// (paged_attention_fp8.cpp) are thin wrappers over these. No torch headers (as every header of
+// csrc/: tests/compile/test_csrc_compiles.py), so at::Tensor is only declared.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
+#include <functional>
 #include <optional>
+
+namespace at {
+class Tensor;
+}  // namespace at
 
 namespace core_cpu {
 
@@ -24,15 +27,9 @@ struct KvWrite {
 KvWrite check_kv_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
                        const at::Tensor& slots, const char* op);
 
-// store(token, slot) for every token that is not padding, `grain` tokens per parallel chunk.
-template <typename F>
-void for_each_written_slot(const KvWrite& w, int64_t grain, F&& store) {
-  at::parallel_for(0, w.tokens, grain, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      if (w.slots[t] >= 0) store(t, w.slots[t]);
-    }
-  });
-}
+// store(token, slot) for every token that is not padding, `grain` tokens per parallel chunk
+// (one indirect call per token: a slot's row is kv_heads * head_size elements).
+void for_each_written_slot(const KvWrite& w, int64_t grain, const std::function<void(int64_t, int64_t)>& store);
 
 // The contract of paged_decode over a cache whose keys read as stored * k_scale and values as
 // stored * v_scale: a cache of the query's dtype (scales 1) or a float8_e4m3fn one. `op` names
