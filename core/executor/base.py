@@ -49,3 +49,16 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop workers and free resources. Default: nothing to stop."""
+
+
+def refusal(failure: BaseException | None, alive: bool) -> str | None:
+    """Why an executor of worker processes or actors cannot take another call, or None.
+
+    ``failure`` is the error that stopped its workers (a lost rank leaves the survivors
+    blocked in a collective, so one failure ends the executor); ``alive`` is false once it
+    was shut down."""
+    if failure is not None:
+        return f"the engine's workers failed earlier: {failure}"
+    if not alive:
+        return "the executor has been shut down; start a new engine"
+    return None

@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from core.executor.base import Executor
+from core.executor.base import Executor, refusal
 from core.executor.startup import agree_plans
 from core.executor.worker import (
     ROOT_CAUSE_WAIT_S,
@@ -333,10 +333,8 @@ class MultiprocExecutor(Executor):
         raise error
 
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise WorkerError(f"the engine's workers failed earlier: {self._failure}")
-        if not self._stop.alive:
-            raise WorkerError("the executor has been shut down; start a new engine")
+        if (why := refusal(self._failure, self._stop.alive)) is not None:
+            raise WorkerError(why)
 
 
 class _MultiprocStep(StepHandle):

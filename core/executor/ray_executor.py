@@ -16,7 +16,7 @@ import socket
 import weakref
 from typing import Any
 
-from core.executor.base import Executor
+from core.executor.base import Executor, refusal
 from core.executor.startup import StartupReport, agree_plans
 from core.executor.worker import (
     ROOT_CAUSE_WAIT_S,
@@ -330,10 +330,8 @@ class RayExecutor(Executor):
         raise error
 
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise WorkerError(f"the engine's workers failed earlier: {self._failure}")
-        if not self._stop.alive:
-            raise WorkerError("the executor has been shut down; start a new engine")
+        if (why := refusal(self._failure, self._stop.alive)) is not None:
+            raise WorkerError(why)
 
 
 class _RayStep(StepHandle):
