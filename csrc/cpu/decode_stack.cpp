@@ -1,4 +1,4 @@
-// A whole decode step of a Llama-shaped float32 model in one call: torch.classes.core_cpu.DecodeStack.
+// A whole decode step of a Llama-shaped model in one call: torch.classes.core_cpu.DecodeStack.
 //
 // A batch-1 decode step of SmolLM2-135M makes ~330 kernel calls through ~120 Python module
 // calls; on two cores that Python cost (~6 ms) was as large as the weight streaming itself.
@@ -31,12 +31,16 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
 
 namespace {
 
-// One weight of platforms/cpu/linear.py's GroupedQuant, and the layer's bias (may be undefined).
+constexpr int64_t kQuantGroupSize = 32;  // Int4Codec.group_size
+
+// One weight of platforms/cpu/linear.py (GroupedQuant for float32 models: quant_linear; PackedInt4
+// for bfloat16 ones: torch's int4 kernel), and the layer's bias (may be undefined).
 struct Linear {
   at::Tensor codes, scales;
   std::optional<at::Tensor> mins;
   at::Tensor bias;
   int64_t bits = 4, out_features = 0;
+  bool int4pack = false;  // codes: torch's packed int4 [out, in / 2]; scales: scales_and_zeros [in / 32, out, 2]
 };
 
 // [codes, scales, mins, bias]: an empty tensor stands for "none" (mins of int8, no bias).
@@ -47,6 +51,7 @@ Linear make_linear(const std::vector<at::Tensor>& parts, const char* what) {
   l.codes = parts[0];
   l.scales = parts[1];
   l.bits = l.codes.scalar_type() == at::kByte ? 4 : 8;
+  l.int4pack = l.scales.dim() == 3;
   if (parts[2].numel() > 0) l.mins = parts[2];
   if (parts[3].numel() > 0) l.bias = parts[3];
   l.out_features = l.codes.size(0);
@@ -134,6 +139,10 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   at::Tensor linear(const Linear& w, const at::Tensor& x) const {
+    if (w.int4pack) {  // as QuantizedLinear.apply: torch's kernel, then the bias (not in place)
+      at::Tensor out = at::_weight_int4pack_mm_for_cpu(x, w.codes, kQuantGroupSize, w.scales);
+      return w.bias.defined() ? out + w.bias : out;
+    }
     at::Tensor out = at::empty({x.size(0), w.out_features}, x.options());
     quant_linear(out, x, w.codes, w.scales, w.mins, w.bits, act_mode_);
     if (w.bias.defined()) out.add_(w.bias);

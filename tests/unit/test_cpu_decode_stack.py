@@ -3,7 +3,7 @@
 Reference: the model's own modules on the same step. The fused step calls the same kernels in
 the same order, so its hidden states and the KV cache it writes must equal theirs bit for bit,
 on random caches and random tiny models of each family it takes (biases, sliding windows,
-grouped-query attention, int4 and int8 codes); greedy generation must not change; models and
+grouped-query attention, int4 and int8 codes, float32 and bfloat16); greedy generation must not change; models and
 steps it does not reproduce must keep the modules.
 """
 
@@ -30,8 +30,8 @@ FAMILIES = {  # family -> config overrides: what each case exercises
 }
 
 
-def _engine(path, fmt: str = "int4", **kw) -> LLM:
-    return LLM(model=str(path), dtype="float32", weight_format=fmt, kv_cache_memory="16MiB",
+def _engine(path, fmt: str = "int4", dtype: str = "float32", **kw) -> LLM:
+    return LLM(model=str(path), dtype=dtype, weight_format=fmt, kv_cache_memory="16MiB",
                max_model_len=256, **kw)
 
 
@@ -48,11 +48,11 @@ def _fill_random(caches: list[torch.Tensor], seed: int) -> None:
         c.copy_(torch.randn(c.shape, generator=g))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize(("dtype", "fmt"), [("float32", "int4"), ("float32", "int8"), ("bfloat16", "int4")])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_fused_step_equals_the_modules_bit_for_bit(family_dir, fmt, batch):
+def test_fused_step_equals_the_modules_bit_for_bit(family_dir, dtype, fmt, batch):
     name, path = family_dir
-    llm = _engine(path, fmt)
+    llm = _engine(path, fmt, dtype)
     try:
         runner = llm.engine.executor.runner
         assert isinstance(runner.graphs, FusedDecode), name
@@ -105,10 +105,13 @@ def test_steps_it_does_not_take(tmp_path):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize(("family", "fmt"), [("llama", "dense"), ("qwen3", "int4")])
-def test_models_it_does_not_reproduce_keep_the_modules(tmp_path, family, fmt):
-    # dense float32 (exact against HF through torch's matmul); Qwen3 (q/k norms in its attention)
-    llm = _engine(tiny_model_dir(tmp_path, family, seed=2), fmt)
+@pytest.mark.parametrize(("family", "fmt", "dtype"), [
+    ("llama", "dense", "float32"),  # exact against HF through torch's matmul
+    ("llama", "int8", "bfloat16"),  # torch's int8 kernel: not taken
+    ("qwen3", "int4", "float32"),  # q/k norms in its attention
+])
+def test_models_it_does_not_reproduce_keep_the_modules(tmp_path, family, fmt, dtype):
+    llm = _engine(tiny_model_dir(tmp_path, family, seed=2), fmt, dtype)
     try:
         assert llm.engine.executor.runner.graphs is None
     finally:
