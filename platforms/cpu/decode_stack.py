@@ -135,6 +135,8 @@ def _unsupported(model: torch.nn.Module, kv_caches: list[torch.Tensor], dtype: t
         return "final norm or embedding"
     if len(inner.layers) != len(kv_caches) or not inner.layers:
         return f"{len(inner.layers)} layers for {len(kv_caches)} KV caches"
+    if len(inner.layers) != getattr(getattr(model, "args", None), "num_layers", -1):
+        return "not every layer of the model (a pipeline stage holds a range of them)"
     rotary = inner.layers[0].self_attn.rotary_emb if type(inner.layers[0]) is LlamaDecoderLayer else None
     for i, (layer, cache) in enumerate(zip(inner.layers, kv_caches)):
         why = _layer_unsupported(layer, cache, rotary, dtype)
