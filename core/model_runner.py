@@ -174,7 +174,8 @@ class ModelRunner:
         self.graphs = self._make_graph_runner()
 
     def _make_graph_runner(self) -> DecodeGraphRunner | None:
-        if not self._may_use_graphs():
+        graphs = self._may_use_graphs()
+        if not graphs and not self._may_fuse_decode():
             return None
         spec = DecodeGraphSpec(
             max_batch_size=self.config.scheduler.max_num_seqs,
@@ -182,9 +183,18 @@ class ModelRunner:
             block_size=self.block_size,
             attention_sites=tuple(self._sites),
             max_mixed_tokens=min(MAX_MIXED_GRAPH_TOKENS,
-                                 self.config.scheduler.max_num_batched_tokens),
+                                 self.config.scheduler.max_num_batched_tokens) if graphs else 0,
         )
         return self.platform.decode_graph_runner(self.model, self.kv_caches, spec)
+
+    def _may_fuse_decode(self) -> bool:
+        # A platform's own fused decode forward (Capability.FUSED_DECODE) replaces the module
+        # calls of one rank's model; --enforce-eager keeps the modules.
+        return (
+            not self.config.enforce_eager
+            and Capability.FUSED_DECODE in self.platform.capabilities
+            and self.setup.comm.world_size == 1
+        )
 
     def profile_run(self) -> int | None:
         with self.platform.inference_context():

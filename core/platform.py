@@ -44,6 +44,10 @@ class Capability:
     GRAPH_CAPTURE = "graph_capture"
     """Decode steps can be captured and replayed: the runner asks
     :meth:`Platform.decode_graph_runner` only of platforms declaring it."""
+    FUSED_DECODE = "fused_decode"
+    """Decode steps of the models a platform recognises run through its own fused forward,
+    which captures nothing of the model's code (models need not be capturable): the runner
+    asks :meth:`Platform.decode_graph_runner` of platforms declaring it too (the CPU)."""
     PINNED_HOST_MEMORY = "pinned_host_memory"
     """Host buffers can be page-locked so host-to-device copies need not block: read through
     :meth:`Platform.pin_host_memory` (host KV caches, sampler inputs)."""
@@ -342,7 +346,8 @@ class Platform(ABC):
         self, model: ModelForward, kv_caches: list[torch.Tensor], spec: DecodeGraphSpec
     ) -> DecodeGraphRunner | None:
         """A strategy that replays decode steps of ``model`` over ``kv_caches`` from captured
-        graphs; asked only of platforms with :attr:`Capability.GRAPH_CAPTURE` and not under
+        graphs; asked only of platforms with :attr:`Capability.GRAPH_CAPTURE` (or
+        :attr:`Capability.FUSED_DECODE`: then ``spec`` has no attention sites) and not under
         ``--enforce-eager``. Default: None (every step runs eagerly)."""
         return None
 

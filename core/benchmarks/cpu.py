@@ -181,6 +181,7 @@ def run_ours(ns, engine_argv: list[str]) -> tuple[list[Row], dict]:
 # ---- where a decode step's time goes -------------------------------------------------------------
 
 CATEGORIES = (
+    ("fused decode layers (csrc)", ("core_cpu::decode_stack",)),  # matmuls, attention, norms inside
     ("int4/int8 matmuls", ("_weight_int4pack_mm", "_weight_int8pack_mm", "quant_linear")),
     ("dense matmuls (oneDNN)", ("aten::mm", "aten::addmm", "aten::bmm")),
     ("LM head (fp32 logits)", ("linear_f32out",)),

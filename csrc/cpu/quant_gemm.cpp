@@ -32,10 +32,10 @@ int64_t groups_of(int64_t k) { return k / kQuantGroup; }
 
 void weight_group(const QuantWeights& w, int64_t row, int64_t g, float* out) {
   const int64_t groups = groups_of(w.k);
-  const float sc = w.scales[row * groups + g];
+  const float sc = scale_of(w, row * groups + g);
   if (w.bits == 4) {
     const uint8_t* c = w.codes + row * (w.k / 2) + g * 16;
-    const float mn = w.mins[row * groups + g];
+    const float mn = min_of(w, row * groups + g);
     for (int j = 0; j < 16; ++j) {
       out[j] = static_cast<float>(c[j] & 15) * sc + mn;
       out[j + 16] = static_cast<float>(c[j] >> 4) * sc + mn;
@@ -80,8 +80,8 @@ void gemm_int8_generic(float* out, int64_t ldo, const QuantActs& x, int64_t m0, 
       for (int64_t g = 0; g < groups; ++g) {
         int32_t dot = 0;
         for (int j = 0; j < kQuantGroup; ++j) dot += weight_code(w, n, g, j) * x.q[m * w.k + g * kQuantGroup + j];
-        acc += static_cast<float>(dot) * (w.scales[n * groups + g] * x.d[m * groups + g]);
-        if (w.bits == 4) acc += w.mins[n * groups + g] * x.s[m * groups + g];
+        acc += static_cast<float>(dot) * (scale_of(w, n * groups + g) * x.d[m * groups + g]);
+        if (w.bits == 4) acc += min_of(w, n * groups + g) * x.s[m * groups + g];
       }
       out[m * ldo + n] = acc;
     }
@@ -123,6 +123,37 @@ CORE_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The scale (or min) at index i, F16C's conversion for float16 ones.
+CORE_AVX2 inline float param_avx2(const void* p, bool half, int64_t i) {
+  return half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// sum of a[i] * b[i] with a stored as float16 or float32.
+CORE_AVX2 float dot_param_avx2(const void* a, bool half, const float* b, int64_t n) {
+  if (!half) return dot_avx2(static_cast<const float*>(a), b, n);
+  const uint16_t* h = static_cast<const uint16_t*>(a);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))),
+                          _mm256_loadu_ps(b + i), acc);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s += _cvtsh_ss(h[i]) * b[i];
+  return s;
+}
+
+// Scales [at, at + count) (count <= 8) as floats into out.
+CORE_AVX2 inline void scales8_avx2(const QuantWeights& w, int64_t at, int64_t count, float* out) {
+  if (count == 8) {
+    const __m256 v = w.half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                  static_cast<const uint16_t*>(w.scales) + at)))
+                            : _mm256_loadu_ps(static_cast<const float*>(w.scales) + at);
+    _mm256_store_ps(out, v);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) out[i] = param_avx2(w.scales, w.half, at + i);
+}
+
 CORE_AVX2 void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s) {
   __m256 v[4];
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -152,12 +183,12 @@ CORE_AVX2 void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s
 template <int BITS>
 CORE_AVX2 inline void dequant_avx2(const QuantWeights& w, int64_t row, int64_t g, __m256 out[4]) {
   const int64_t groups = groups_of(w.k);
-  const __m256 sc = _mm256_set1_ps(w.scales[row * groups + g]);
+  const __m256 sc = _mm256_set1_ps(param_avx2(w.scales, w.half, row * groups + g));
   if constexpr (BITS == 4) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16));
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-    const __m256 mn = _mm256_set1_ps(w.mins[row * groups + g]);
+    const __m256 mn = _mm256_set1_ps(param_avx2(w.mins, w.half, row * groups + g));
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int j = 0; j < 4; ++j)
       out[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), sc, mn);
@@ -214,12 +245,16 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
   __m256 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+  alignas(32) float sc[NT][8];  // the scales of 8 groups, converted 8 at a time (float16 ones)
   for (int64_t g = 0; g < groups; ++g) {
+    if (g % 8 == 0) {
+      for (int n = 0; n < NT; ++n) scales8_avx2(w, (n0 + n) * groups + g, std::min<int64_t>(8, groups - g), sc[n]);
+    }
     __m256i wv[NT];
     __m256 ws[NT];  // broadcast once per group, multiplied by each row's scale as vectors
     for (int n = 0; n < NT; ++n) {
       wv[n] = codes_avx2<BITS>(w, n0 + n, g);
-      ws[n] = _mm256_broadcast_ss(w.scales + (n0 + n) * groups + g);
+      ws[n] = _mm256_broadcast_ss(&sc[n][g % 8]);
     }
     for (int m = 0; m < MT; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * k + g * kQuantGroup));
@@ -236,7 +271,10 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
   for (int m = 0; m < MT; ++m) {
     for (int n = 0; n < NT; ++n) {
       float v = hsum8(acc[m][n]);
-      if constexpr (BITS == 4) v += dot_avx2(w.mins + (n0 + n) * groups, x.s + (m0 + m) * groups, groups);
+      if constexpr (BITS == 4) {
+        const int64_t at = (n0 + n) * groups * (w.half ? 2 : 4);
+        v += dot_param_avx2(static_cast<const char*>(w.mins) + at, w.half, x.s + (m0 + m) * groups, groups);
+      }
       out[(m0 + m) * ldo + n0 + n] = v;
     }
   }
@@ -315,7 +353,7 @@ CORE_NEON_DOT void tile_int8_neon(float* out, int64_t ldo, const QuantActs& x, i
       const float dx = x.d[(m0 + m) * groups + g];
       for (int n = 0; n < NT; ++n) {
         const int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo[n], x0), hi[n], x1);
-        acc[m][n] = vfmaq_n_f32(acc[m][n], vcvtq_f32_s32(p), w.scales[(n0 + n) * groups + g] * dx);
+        acc[m][n] = vfmaq_n_f32(acc[m][n], vcvtq_f32_s32(p), scale_of(w, (n0 + n) * groups + g) * dx);
       }
     }
   }
@@ -323,7 +361,7 @@ CORE_NEON_DOT void tile_int8_neon(float* out, int64_t ldo, const QuantActs& x, i
     for (int n = 0; n < NT; ++n) {
       float v = vaddvq_f32(acc[m][n]);
       if constexpr (BITS == 4) {
-        for (int64_t g = 0; g < groups; ++g) v += w.mins[(n0 + n) * groups + g] * x.s[(m0 + m) * groups + g];
+        for (int64_t g = 0; g < groups; ++g) v += min_of(w, (n0 + n) * groups + g) * x.s[(m0 + m) * groups + g];
       }
       out[(m0 + m) * ldo + n0 + n] = v;
     }

@@ -30,17 +30,20 @@ QuantWeights check_weights(const at::Tensor& codes, const at::Tensor& scales, co
               && codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
               "quant_linear: int", bits, " codes must be contiguous ", bits == 4 ? "uint8" : "int8", " [out, ",
               per_row, "], got ", codes.scalar_type(), " ", codes.sizes());
+  const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == k / kQuantGroup
-              && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "quant_linear: scales must be contiguous float32 [", n, ", ", k / kQuantGroup, "], got ", scales.sizes());
-  const float* mp = nullptr;
+              && scales.is_contiguous() && (half || scales.scalar_type() == at::kFloat),
+              "quant_linear: scales must be contiguous float32 or float16 [", n, ", ", k / kQuantGroup, "], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  const void* mp = nullptr;
   if (bits == 4) {
     TORCH_CHECK(mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()
-                && mins->scalar_type() == at::kFloat, "quant_linear: int4 needs float32 mins shaped like scales");
-    mp = mins->data_ptr<float>();
+                && mins->scalar_type() == scales.scalar_type(),
+                "quant_linear: int4 needs mins shaped like scales, of their dtype (", scales.scalar_type(), ")");
+    mp = mins->data_ptr();
   }
-  return {static_cast<int>(bits), reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(), mp,
-          n, k};
+  return {static_cast<int>(bits), reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), mp, n, k,
+          half};
 }
 
 }  // namespace
@@ -105,16 +108,15 @@ CORE_NO_FP_CONTRACT void dequantize_rows(const QuantWeights& w, float* out, int6
   const int64_t groups = w.k / kQuantGroup, per_row = w.bits == 4 ? w.k / 2 : w.k;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* c = w.codes + r * per_row;
-    const float* sc = w.scales + r * groups;
     float* o = out + r * w.k;
     for (int64_t g = 0; g < groups; ++g, o += kQuantGroup) {
-      const float d = sc[g];
+      const float d = scale_of(w, r * groups + g);
       if (w.bits == 8) {
         const int8_t* q = reinterpret_cast<const int8_t*>(c) + g * kQuantGroup;
         for (int j = 0; j < kQuantGroup; ++j) o[j] = static_cast<float>(q[j]) * d;
       } else {
         const uint8_t* q = c + g * (kQuantGroup / 2);
-        const float mn = w.mins[r * groups + g];
+        const float mn = min_of(w, r * groups + g);
         for (int j = 0; j < kQuantGroup / 2; ++j) {
           o[j] = static_cast<float>(q[j] & 15) * d + mn;
           o[j + kQuantGroup / 2] = static_cast<float>(q[j] >> 4) * d + mn;

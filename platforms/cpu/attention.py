@@ -248,9 +248,26 @@ class CpuPagedAttentionBackend(CpuAttentionBackend):
         if not fits:
             super()._prefill(query, key, value, kv_cache, md, out)
             return
-        rows, lens = _prompt_rows(md)
+        rows, lens = _PROMPT_ROWS.of(md)
         self._paged_decode(o, q, kv_cache, tables, lens, self.spec.softmax_scale, self._window, rows,
                            logits_soft_cap=self._soft_cap)
+
+
+class _LastStepRows:
+    """:func:`_prompt_rows` of the step's metadata, computed by the first layer and reused by
+    the others (every layer of a step gets the same metadata object)."""
+
+    def __init__(self) -> None:
+        self._held: tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def of(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._held  # one read and one write: ranks running as threads never mix steps
+        if held is None or held[0] is not md:
+            held = self._held = (md, _prompt_rows(md))
+        return held[1]
+
+
+_PROMPT_ROWS = _LastStepRows()
 
 
 def _prompt_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,19 +63,21 @@ class GroupedQuant:
     """int4: [out, in / 2] uint8, per group element j in the low nibble of byte j and
     element j + 16 in its high nibble; int8: [out, in] int8."""
     scales: torch.Tensor
-    """[out, in / 32] float32."""
+    """[out, in / 32] float32, or float16 where every scale (and min) is a float16 value
+    (GGUF's blocks store them so: see :func:`compact_scales`)."""
     mins: torch.Tensor | None
-    """int4: [out, in / 32] float32, w = code * scale + min; int8: None, w = code * scale."""
+    """int4: [out, in / 32] of the scales' dtype, w = code * scale + min; int8: None,
+    w = code * scale."""
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The float32 weight rows [start, stop) these codes stand for."""
         rows = slice(start, stop)
-        scales = self.scales[rows, :, None]
+        scales = self.scales[rows, :, None].float()
         if self.bits == 8:
             return (self.codes[rows].float().unflatten(1, (-1, GROUP)) * scales).flatten(1)
         low, high = self.codes[rows] & 15, self.codes[rows] >> 4
         codes = torch.cat([low.unflatten(1, (-1, 16)), high.unflatten(1, (-1, 16))], dim=-1).float()
-        return (codes * scales + self.mins[rows, :, None]).flatten(1)
+        return (codes * scales + self.mins[rows, :, None].float()).flatten(1)
 
     def reproduces(self, weight: torch.Tensor) -> bool:
         """Whether the codes stand for exactly ``weight`` (checked in row chunks)."""
@@ -113,7 +115,7 @@ def group_int4(weight: torch.Tensor) -> GroupedQuant:
         out.codes[start : start + _GROUP_ROWS] = (codes[..., :16] | (codes[..., 16:] << 4)).flatten(1)
         out.scales[start : start + _GROUP_ROWS] = scale
         out.mins[start : start + _GROUP_ROWS] = low
-    return out
+    return compact_scales(out)
 
 
 def group_int8(weight: torch.Tensor) -> GroupedQuant:
@@ -127,7 +129,19 @@ def group_int8(weight: torch.Tensor) -> GroupedQuant:
         codes = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
         out.codes[start : start + _GROUP_ROWS] = codes.flatten(1)
         out.scales[start : start + _GROUP_ROWS] = scale
-    return out
+    return compact_scales(out)
+
+
+def compact_scales(q: GroupedQuant) -> GroupedQuant:
+    """``q`` with float16 scales and mins when every one of them is a float16 value (the same
+    numbers, so every product is unchanged), else ``q``. A GGUF checkpoint stores them as
+    float16: an int4 weight then takes 0.625 bytes instead of 0.75, and a decode step, which
+    reads every weight once, reads ~13 % fewer bytes for the embedded SmolLM2."""
+    parts = [q.scales] if q.mins is None else [q.scales, q.mins]
+    halves = [p.half() for p in parts]
+    if not all(torch.equal(h.float(), p) for h, p in zip(halves, parts)):
+        return q
+    return GroupedQuant(q.bits, q.codes, halves[0], halves[1] if q.mins is not None else None)
 
 
 _GROUP_ROWS = 4096

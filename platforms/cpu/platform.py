@@ -10,7 +10,16 @@ import torch
 
 from core.attention import AttentionBackend, AttentionSpec
 from core.models.layers import LinearMethod
-from core.platform import Platform, ProbeResult, builtin_backend, host_memory
+from core.platform import (
+    Capability,
+    DecodeGraphRunner,
+    DecodeGraphSpec,
+    ModelForward,
+    Platform,
+    ProbeResult,
+    builtin_backend,
+    host_memory,
+)
 from platforms.cpu import linear
 from platforms.cpu.attention import CpuAttentionBackend, CpuPagedAttentionBackend
 from platforms.cpu.isa import has_native_bf16, isa_in_force
@@ -23,7 +32,9 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dispatch_key = "CPU"
-    # No capabilities: host RAM is its memory (the default KV budget), nothing to pin.
+    # Host RAM is its memory (the default KV budget), nothing to pin, no graphs; decode steps
+    # of models it recognises run through one fused kernel call (platforms/cpu/decode_stack.py).
+    capabilities = frozenset({Capability.FUSED_DECODE})
     verification = "real hardware"
 
     def __init__(self) -> None:
@@ -101,6 +112,18 @@ class CpuPlatform(Platform):
     @classmethod
     def kv_cache_dtypes(cls) -> tuple[str, ...]:
         return ("fp8_e4m3",)  # both CPU backends (platforms/cpu/attention.py)
+
+    def decode_graph_runner(
+        self, model: ModelForward, kv_caches: list[torch.Tensor], spec: DecodeGraphSpec
+    ) -> DecodeGraphRunner | None:
+        """The fused decode step (csrc/cpu/decode_stack.cpp) for a model it reproduces
+        exactly; None (the modules run every step) for any other model or without the kernels."""
+        kernels = kernels_or_none()
+        if kernels is None or not isinstance(model, torch.nn.Module):
+            return None
+        from platforms.cpu.decode_stack import fused_decode
+
+        return fused_decode(kernels, model, kv_caches)
 
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)

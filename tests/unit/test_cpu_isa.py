@@ -33,14 +33,15 @@ def path(request):
     KERNELS.set_cpu_isa("auto")
 
 
-def random_codes(bits: int, n: int, k: int, seed: int):
-    """(GroupedQuant packed here, float64 weight the codes stand for)."""
+def random_codes(bits: int, n: int, k: int, seed: int, scale_dtype=torch.float32):
+    """(GroupedQuant packed here, float64 weight the codes stand for); scales and mins stored
+    as ``scale_dtype``."""
     g = torch.Generator().manual_seed(seed)
     groups = k // 32
-    scales = torch.rand(n, groups, generator=g) * 0.05 + 1e-3
+    scales = (torch.rand(n, groups, generator=g) * 0.05 + 1e-3).to(scale_dtype)
     if bits == 4:
         codes = torch.randint(0, 16, (n, groups, 32), generator=g)
-        mins = torch.rand(n, groups, generator=g) * 0.4 - 0.2
+        mins = (torch.rand(n, groups, generator=g) * 0.4 - 0.2).to(scale_dtype)
         dense = codes.double() * scales.double()[..., None] + mins.double()[..., None]
         packed = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8).flatten(1)  # byte j: j | j+16
         return GroupedQuant(4, packed, scales, mins), dense.flatten(1)
@@ -57,11 +58,13 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xg * inv).double() * scale.double()).flatten(1)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 40, 64), (7, 13, 1536), (70, 130, 96)])
-def test_quant_linear_matches_float64(path: str, bits: int, mode: int, rows: int, n: int, k: int) -> None:
-    packed, dense = random_codes(bits, n, k, seed=rows * 1000 + n + bits)
+def test_quant_linear_matches_float64(path: str, bits: int, mode: int, rows: int, n: int, k: int,
+                                      scale_dtype) -> None:
+    packed, dense = random_codes(bits, n, k, seed=rows * 1000 + n + bits, scale_dtype=scale_dtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows))
     x[0, :32] = 0.0  # an all-zero group: scale 0, codes 0
     got = grouped_matmul(KERNELS, x, packed, mode)
@@ -196,8 +199,29 @@ def test_float32_layers_take_grouped_codes_for_small_steps(path: str, fmt: str) 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_dequantize_kernel_is_the_torch_formula_bit_for_bit(bits: int) -> None:
-    packed, dense = random_codes(bits, 70, 96, seed=21)
+@pytest.mark.parametrize("mode", [0, 1])
+def test_float16_scales_give_the_float32_results_bit_for_bit(path: str, bits: int, mode: int) -> None:
+    # The same scale values in half the bytes: every product, so every output, is unchanged.
+    half, _ = random_codes(bits, 75, 320, seed=31, scale_dtype=torch.float16)
+    full = GroupedQuant(bits, half.codes, half.scales.float(), None if half.mins is None else half.mins.float())
+    for rows in (1, 5):
+        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(grouped_matmul(KERNELS, x, half, mode), grouped_matmul(KERNELS, x, full, mode))
+
+
+def test_grouping_keeps_float16_scales_only_when_exact() -> None:
+    for bits in (4, 8):
+        packed = (group_int4 if bits == 4 else group_int8)(q_grid(bits, 64, 128, seed=9))
+        assert packed.scales.dtype == torch.float16  # a GGUF grid: its scales are float16 values
+        assert packed.mins is None or packed.mins.dtype == torch.float16
+    lossy = group_int4(torch.randn(16, 64, generator=torch.Generator().manual_seed(2)))
+    assert lossy.scales.dtype == lossy.mins.dtype == torch.float32  # rounding them would change weights
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_kernel_is_the_torch_formula_bit_for_bit(bits: int, scale_dtype) -> None:
+    packed, dense = random_codes(bits, 70, 96, seed=21, scale_dtype=scale_dtype)
     out = torch.empty(70, 96)
     KERNELS.quant_dequantize(out, packed.codes, packed.scales, packed.mins, bits)
     assert torch.equal(out, packed.dequantize())  # no fused multiply-add: the same roundings
