@@ -5,6 +5,7 @@ own tests do with ``ray.cluster_utils.Cluster``), joined through ``--ray-address
   on one node and the two stages on different nodes; both give the greedy tokens of the
   in-process TP=1 engine through batching, chunked prefill and preemption;
 * a tensor-parallel group larger than any node is refused with the numbers;
+* the last stage's actor killed mid-generation ends generate() with the rank named;
 * the cluster is shut down in teardown, whatever happened.
 
 Each node has 2 logical CPUs and a resource of its own name (``node_a`` / ``node_b``),
@@ -83,4 +84,50 @@ def test_tp_group_larger_than_a_node_is_refused(model, cluster):
     path, _ = model
     with pytest.raises(ValueError, match=r"keeps each stage's 4 ranks on one node, but no node of the Ray cluster has 4 CPU \(the most on one node is 2\)"):
         LLM(model=path, executor="ray", ray_address=cluster.address, tensor_parallel_size=4, **ROOMY)
+    assert not ray.is_initialized()
+
+
+def test_killed_stage_on_another_node_ends_generate(model, cluster):
+    """PP=2 over the two nodes: SIGKILL the last stage's actor mid-generation; generate()
+    raises the executor's WorkerError naming the rank (the figure is printed; the bound is
+    generous because the machine may be busy)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from core import SamplingParams
+    from core.executor.worker import WorkerError
+    from tests.integration.test_tensor_parallel import KILL_DEADLINE_S
+
+    path, _ = model
+    llm = LLM(model=path, executor="ray", ray_address=cluster.address,
+              pipeline_parallel_size=2, **dict(ROOMY, max_model_len=256))
+    marks: dict[str, float] = {}
+    try:
+        victim = len(llm.engine.executor.worker_pids) - 1
+        pid = llm.engine.executor.worker_pids[victim]
+
+        def killer() -> None:
+            deadline = time.monotonic() + 60
+            while not llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            marks["t"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        try:
+            with pytest.raises(WorkerError, match=rf"worker rank {victim} \(a Ray actor\) died"):
+                llm.generate([[5, 6, 7, 8]] * 4,
+                             SamplingParams(temperature=0, max_tokens=240, ignore_eos=True),
+                             use_tqdm=False)
+            elapsed = time.monotonic() - marks["t"]
+        finally:
+            thread.join()
+    finally:
+        llm.engine.shutdown()
+    print(f"Ray stage {victim} killed: generate() raised after {elapsed:.2f} s")
+    assert elapsed < KILL_DEADLINE_S
     assert not ray.is_initialized()
