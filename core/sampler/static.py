@@ -111,7 +111,9 @@ def _processed(
     g = torch.where(count > 0, g - (freq * count + pres) * inv_t[rows], g)
     work = work.index_put((rows, tokens), g)
     # The pipeline clears NaN / +inf of every row when any row is processed.
-    cleared = torch.nan_to_num(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max, neginf=float("-inf"))
+    # (torch.nan_to_num with nan=-inf, written out: XLA refuses an infinite replacement.)
+    cleared = torch.where(torch.isnan(work), float("-inf"), work)
+    cleared = torch.where(cleared == float("inf"), torch.finfo(work.dtype).max, cleared)
     return torch.where(rowf[:, PROCESSED, None] != 0, cleared, work)
 
 
