@@ -17,7 +17,9 @@ with overwhelming probability, not by contract.
 Packed layout (mirrored by the ``RowF`` / ``RowI`` / ``EditField`` enums of the kernel):
 
 * ``rowf`` [B, 8] float64: temperature (0 = greedy), top_p, min_p, repetition, frequency
-  and presence penalties, the row's uniform number, unused.
+  and presence penalties, the row's uniform number, and 1 in every row when some row of
+  the call is processed (min_tokens, logit bias or a penalty: the torch pipeline then
+  clears NaN and +inf logits of every row; a fused kernel may ignore it).
 * ``rowi`` [B, 4] int32: top_k (0 = off), first and end index of the row's edits, unused.
 * ``edits`` [E, 4] int32: one (row, token) pair a processor changes, rows in order and
   tokens ascending within a row: token, count in the output (presence/frequency), flags
@@ -36,7 +38,7 @@ import torch
 from core.sampler.processors import check_history, flat_ids, min_tokens_pairs
 from core.sampler.rows import SampleRow, Staging
 
-TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, UNIFORM = range(7)
+TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, UNIFORM, PROCESSED = range(8)
 ROW_F = 8
 TOP_K, EDIT_BEGIN, EDIT_END = range(3)
 ROW_I = 4
@@ -108,6 +110,9 @@ def pack(
             uniforms.get(i, 0.0),
         )
         rowi[i, TOP_K] = p.top_k if 0 < p.top_k < vocab else 0
+    if any(r.params.logit_bias or r.params.needs_token_history or r.output_index < r.params.min_tokens
+           for r in rows):
+        rowf[:, PROCESSED] = 1.0
     edits, begin, end = edit_list(rows, vocab, eos)
     rowi[:, EDIT_BEGIN], rowi[:, EDIT_END] = begin, end
     return KernelInputs(torch.from_numpy(rowf), torch.from_numpy(rowi), torch.from_numpy(edits))

@@ -8,10 +8,11 @@ platform's batch shaper (:meth:`core.batch_shape.BatchShaper.pad_sampled`) names
 ``b >= n``; :func:`pad_sampled_rows` fills rows ``n .. b-1`` with copies of the last real
 row (its hidden row, its parameters, its persistent-batch row), so:
 
-* every stage of the sampler sees ``b`` rows, and a batch whose rows share their sampling
-  parameters (all greedy, or the same temperature / top-k / top-p) keeps every row subset
-  the sampler takes at ``b`` as well: one program per bucket. Rows that mix parameters still
-  make the subsets' sizes vary (bounded by ``b`` per subset, not bucketed);
+* every stage of the sampler sees ``b`` rows. Such a platform also samples without row
+  subsets (:mod:`core.sampler.static`, its ``sampling_kernel``), so rows that mix sampling
+  parameters keep the program's shapes at ``b`` too: one program per bucket (and per
+  padded edit count where penalties, bias or min_tokens apply). The subset pipeline that
+  other platforms run would size its subsets by the data;
 * the copies' results are dropped: token ids and logprobs are read for the first ``n`` rows
   only, and the next step's placeholder tokens are recorded from the real rows alone
   (:meth:`PaddedRows.recorded`, a fixed-size gather, so duplicate writes carry one value).

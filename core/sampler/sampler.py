@@ -22,6 +22,18 @@ A platform's fused kernel (``Sampler(kernel=...)``, :mod:`core.sampler.kernel`) 
 steps 1-7 and the logsumexp with one launch where it accepts the logits; the torch pipeline
 below is the reference it follows and runs everywhere else.
 
+Static-shape platforms (XLA) supply :class:`core.sampler.static.StaticShapeSampling` as that
+kernel: the same pipeline with no data-dependent row subsets (every stage on every row,
+neutral values where a row does not use it), identical tokens and logprobs, and shapes that
+follow the number of rows (bucketed by the runner, :mod:`core.sampler.padding`) and the
+padded edit count (a power of two, :func:`core.sampler.static.pad_edits`) only. What stays
+subset-shaped there, exactly: (a) structured output's grammar bitmask, applied in
+:meth:`Sampler.draw` to the rows that have a grammar (``logits[rows]``, sized by how many
+do); (b) top logprobs (:meth:`Sampler.finish`), computed on the rows that request them with
+``topk`` of the largest k asked, after a read-back; (c) prompt logprobs (the runner's, over
+the prompt positions). Each of those compiles per size it meets, and only steps that use
+them run them.
+
 With ``Staging(pinned=True)`` (a device with memory of its own that can pin host memory) the
 sampler does not wait for the device until it reads the result: which stages run and on
 which rows is decided from the rows' parameters on the host, host values reach the device
@@ -45,6 +57,7 @@ from core.sampler.kernel import NO_KERNEL, SamplingKernel, pack
 from core.sampler.logprobs import top_logprobs
 from core.sampler.processors import add_logit_bias, apply_penalties, mask_min_tokens
 from core.sampler.rows import SampleRow, SamplingBatch, Scratch, Staging
+from core.sampler.static import pad_edits
 from core.structured_output.bitmask import RowBitmask
 
 PLAIN = Staging(pinned=False)
@@ -205,6 +218,8 @@ class Sampler:
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         u = self._uniforms([rows[i] for i in random]).tolist() if random else []
         inputs = pack(rows, logits.shape[1], self.eos_token_ids, dict(zip(random, u)))
+        if getattr(self.kernel, "pads_edits", False):
+            inputs = pad_edits(inputs)  # a static-shape kernel: the edit count bucketed
         return self.kernel(logits, inputs.to(logits.device, self.staging))
 
     def distribution(

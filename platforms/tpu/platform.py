@@ -30,6 +30,7 @@ import torch
 from core.attention import AttentionBackend, AttentionSpec
 from core.batch_shape import BatchShaper, BucketedBatchShaper
 from core.platform import Capability, Platform, ProbeResult, builtin_backend, host_memory
+from core.sampler.static import StaticShapeSampling
 from platforms.tpu.attention import PallasTpuAttentionBackend, TpuAttentionBackend
 from platforms.tpu.buckets import TpuBuckets
 
@@ -129,6 +130,12 @@ class TpuPlatform(Platform):
         the work the previous one left queued (sampling bookkeeping) is cut into its own
         program, so it never changes the step's."""
         return BucketedBatchShaper(TpuBuckets(), block_size, before_step=_cut_graph)
+
+    def ops(self) -> dict[str, Any]:
+        """The sampler without row subsets (:mod:`core.sampler.static`): with mixed
+        sampling parameters the torch pipeline's subsets change size from step to step, and
+        XLA would compile its program again for each size."""
+        return {"sampling_kernel": StaticShapeSampling()}
 
     # ---- distributed and runtime ---------------------------------------------------------
     def distributed_backend(self) -> str:

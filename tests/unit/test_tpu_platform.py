@@ -214,20 +214,47 @@ def test_engine_steps_compile_once_per_bucket(platform, metrics, tmp_path, monke
     assert sum(steps.compiles) <= len(seen), f"more compilations than shapes:\n{table}"
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "temperature-top-k"])
+MIXED = [
+    dict(temperature=0),
+    dict(temperature=0.8, top_k=20),
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=0.7, min_p=0.1),
+    dict(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1),
+    dict(temperature=0, repetition_penalty=1.2),
+    dict(temperature=1.1, top_k=30, top_p=0.8, logit_bias={7: 1.5}),
+    dict(temperature=0.9, min_tokens=3),
+]
+"""Per-request parameters of the mixed workload (request i takes MIXED[i % 8])."""
+
+
+def _knobs(sampling: str, i: int) -> dict:
+    if sampling == "greedy":
+        return dict(temperature=0)
+    if sampling == "temperature-top-k":
+        return dict(temperature=0.8, top_k=20)
+    return MIXED[i % len(MIXED)]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "temperature-top-k", "mixed"])
 def test_sampling_compiles_once_per_bucket_of_sampled_rows(platform, metrics, tmp_path, monkeypatch, sampling):
     """The LM head and the sampler run on the sequence bucket of the sampled-row count
     (TpuBuckets.pad_seqs: 8 or 16 here), not on the count itself. Two workloads of 16
     requests with the same prompts: in the first the requests finish in pairs, so decode
     steps sample 16, 14, ..., 2 rows; in the second one finishes first, so they sample 15,
     13, ..., 1, with the same forward shapes and the same buckets (checked). From its first
-    decode step on, the second workload must compile nothing (the first two cuts of a run
-    also execute what the previous run left queued, its last row removals, beside the new
-    prefill); without bucketing each new count compiles the step's sampling program again.
-    Greedy tokens equal the CPU platform's; seeded temperature + top-k rows (every row the
-    same parameters, as a server's default) compile alike."""
+    decode step on, the second workload must compile nothing it has not met (the first two
+    cuts of a run also execute what the previous run left queued, its last row removals,
+    beside the new prefill); without bucketing each new count compiles the step's sampling
+    program again. Greedy and seeded tokens equal the CPU platform's. Workloads: all greedy;
+    seeded temperature + top-k rows (every row the same parameters, as a server's default);
+    and rows mixing greedy, temperature, top-k, top-p, min-p, penalties, logit bias and
+    min_tokens, which the TPU samples without row subsets (core/sampler/static.py; the
+    subset pipeline would compile per subset size). There the sampling program is also
+    keyed by the padded edit count, so the second workload may compile only for a
+    (rows bucket, edit bucket) pair or forward shape the first did not meet."""
     import core
     import core.model_runner as runner_module
+    import core.sampler.sampler as sampler_module
     from core.conformance.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "tiny")
@@ -239,39 +266,52 @@ def test_sampling_compiles_once_per_bucket_of_sampled_rows(platform, metrics, tm
     cpu = core.LLM(platform="cpu", **args)
     tpu = core.LLM(platform="tpu", **args)
 
-    steps: list = []  # per launched step: [forward shape key, sampled rows, compiles before its cut]
-    shape, pad = BucketedBatchShaper.shape, runner_module.pad_sampled_rows
+    # per launched step: [forward shape key, sampled rows, compiles before its cut, padded edits]
+    steps: list = []
+    shape, pad, pad_edits = BucketedBatchShaper.shape, runner_module.pad_sampled_rows, sampler_module.pad_edits
 
     def recording_shape(shaper, host):
         mark = metrics.counter_value("UncachedCompile") or 0
         shaped = shape(shaper, host)
         key = (len(shaped.input_ids), shaped.num_prefills, shaped.max_query_len, shaped.block_tables.shape[1])
-        steps.append([key, None, mark])
+        steps.append([key, None, mark, None])
         return shaped
 
     def recording_pad(rows, hidden_rows, batch_rows, size):
         steps[-1][1] = len(rows)
         return pad(rows, hidden_rows, batch_rows, size)
 
+    def recording_pad_edits(inputs):
+        padded = pad_edits(inputs)
+        steps[-1][3] = padded.edits.shape[0]
+        return padded
+
     monkeypatch.setattr(BucketedBatchShaper, "shape", recording_shape)
     monkeypatch.setattr(runner_module, "pad_sampled_rows", recording_pad)
+    monkeypatch.setattr(sampler_module, "pad_edits", recording_pad_edits)
     seen, late = {}, {}
     for name, max_tokens in runs.items():
-        knobs = dict(temperature=0) if sampling == "greedy" else dict(temperature=0.8, top_k=20)
-        params = [core.SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **knobs)
+        params = [core.SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **_knobs(sampling, i))
                   for i, m in enumerate(max_tokens)]
         steps.clear()
         out = tpu.generate(prompts, params, use_tqdm=False)
         late[name] = (metrics.counter_value("UncachedCompile") or 0) - steps[2][2]
-        seen[name] = [(key, rows) for key, rows, _ in steps]
-        if sampling == "greedy":
+        seen[name] = [(key, rows, edits) for key, rows, _, edits in steps]
+        if sampling != "temperature-top-k":
             want = cpu.generate(prompts, params, use_tqdm=False)
             assert [list(o.outputs[0].token_ids) for o in out] == [list(o.outputs[0].token_ids) for o in want]
-    first, second = ({rows for _, rows in seen[k][2:]} for k in runs)
+    first, second = ({rows for _, rows, _ in seen[k][2:]} for k in runs)
     assert len(first) >= 7 and len(second) >= 7 and not first & second, seen
     assert {TpuBuckets().pad_seqs(r) for r in first} == {TpuBuckets().pad_seqs(r) for r in second} == {8, 16}
-    assert {key for key, _ in seen["one first"]} <= {key for key, _ in seen["pairs"]}, seen
-    assert late["one first"] == 0, f"compiled {late['one first']} programs for shapes seen before: {seen}"
+    assert {key for key, _, _ in seen["one first"]} <= {key for key, _, _ in seen["pairs"]}, seen
+    sampled = {k: {(TpuBuckets().pad_seqs(r), e) for _, r, e in seen[k] if r} for k in runs}
+    new = sampled["one first"] - sampled["pairs"]
+    if sampling != "mixed":
+        assert not new, seen
+    else:
+        assert len({e for _, e in sampled["pairs"]}) >= 2, f"the edit count never changed bucket: {seen}"
+    assert late["one first"] <= len(new), (
+        f"compiled {late['one first']} programs; new (rows bucket, edit bucket) pairs: {new}; steps: {seen}")
 
 
 def test_grammar_masks_apply_on_the_xla_device(platform):
