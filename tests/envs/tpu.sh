@@ -15,7 +15,7 @@ venv="${1:-$repo/.venv-tpu}"
 python="${PYTHON:-python3.11}"
 
 source "$repo/tests/envs/venv_lib.sh"
-platform_venv_create "$venv" tpu
+platform_venv_create "$venv" tpu "$python"
 # One resolver run for everything, so pip cannot move torch off the minor torch-xla needs.
 "$venv/bin/pip" install --quiet --no-cache-dir "torch==2.9.*" "torch-xla==2.9.*" -e "${repo}[tpu,test]"
 "$venv/bin/python" - <<'PY'

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by tests/envs/xpu.sh and tests/envs/tpu.sh (sourced, not run).
 #
 # PyPI has no CPU build of torch 2.8 / 2.9 for Linux x86_64, so each of these environments
@@ -13,10 +14,10 @@ free_gib() {
     df -Pk "$d" | awk 'NR==2 {printf "%d", $4 / 1048576}'
 }
 
-# platform_venv_create VENV NAME: make VENV unless it exists; refuse up front, naming the
-# numbers and the fixes, when its filesystem has less room than the install needs.
+# platform_venv_create VENV NAME PYTHON: make VENV with PYTHON unless it exists; refuse up
+# front, naming the numbers and the fixes, when its filesystem has less room than needed.
 platform_venv_create() {
-    local venv="$1" name="$2" need_gib=11 free
+    local venv="$1" name="$2" python="$3" need_gib=11 free
     if [[ -x "$venv/bin/python" ]]; then
         return 0
     fi

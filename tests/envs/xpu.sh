@@ -16,7 +16,7 @@ venv="${1:-$repo/.venv-xpu}"
 python="${PYTHON:-python3.11}"
 
 source "$repo/tests/envs/venv_lib.sh"
-platform_venv_create "$venv" xpu
+platform_venv_create "$venv" xpu "$python"
 # One resolver run for everything, so pip cannot upgrade torch past what IPEX was built for.
 # IPEX 2.8 patches and imports transformers at import time and breaks on transformers 5
 # (NameError: MoeModelOutputWithPast); 4.51.3 is the version IPEX 2.8 was validated with.
