@@ -1,14 +1,14 @@
-"""The Ray executor on a local multi-node Ray cluster (two raylets on 127.0.0.1, as Ray's
+"""The Ray executor on a local multi-node Ray cluster (three raylets on 127.0.0.1, as Ray's
 own tests do with ``ray.cluster_utils.Cluster``), joined through ``--ray-address``:
 
-* PP=2 puts its stages on different nodes; TP=2 x PP=2 keeps each tensor-parallel group
+* PP=2 and PP=3 put their stages on different nodes; TP=2 x PP=2 keeps each tensor-parallel group
   on one node and the two stages on different nodes; both give the greedy tokens of the
   in-process TP=1 engine through batching, chunked prefill and preemption;
 * a tensor-parallel group larger than any node is refused with the numbers;
 * the last stage's actor killed mid-generation ends generate() with the rank named;
 * the cluster is shut down in teardown, whatever happened.
 
-Each node has 2 logical CPUs and a resource of its own name (``node_a`` / ``node_b``),
+Each node has 2 logical CPUs and a resource of its own name (``node_a`` / ``node_b`` / ``node_c``),
 so the test can tell where each actor ran.
 """
 
@@ -42,6 +42,7 @@ def cluster():
                                                        "include_dashboard": False})
     try:
         c.add_node(num_cpus=2, resources={"node_b": 1})
+        c.add_node(num_cpus=2, resources={"node_c": 1})
         c.wait_for_nodes()
         yield c
     finally:
@@ -60,7 +61,7 @@ def node_names(cluster) -> dict[str, str]:
         ray.shutdown()
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (2, 2)], ids=["pp2", "pp3", "tp2xpp2"])
 def test_stages_spread_over_nodes_and_match(model, cluster, tp, pp):
     path, reference = model
     names = node_names(cluster)
@@ -88,7 +89,7 @@ def test_tp_group_larger_than_a_node_is_refused(model, cluster):
 
 
 def test_killed_stage_on_another_node_ends_generate(model, cluster):
-    """PP=2 over the two nodes: SIGKILL the last stage's actor mid-generation; generate()
+    """PP=2 over two nodes: SIGKILL the last stage's actor mid-generation; generate()
     raises the executor's WorkerError naming the rank (the figure is printed; the bound is
     generous because the machine may be busy)."""
     import os
