@@ -14,21 +14,9 @@
 #include <optional>
 #include <vector>
 
-namespace core_cpu {
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
-void fused_add_rms_norm(at::Tensor& out, at::Tensor& new_residual, const at::Tensor& x,
-                        const at::Tensor& residual, const at::Tensor& weight, double eps);
-void silu_and_mul(at::Tensor& out, const at::Tensor& x);
-void rotary_embedding(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& positions,
-                      const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos_sin_cache,
-                      int64_t rotary_dim);
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slots);
-void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                  const std::optional<at::Tensor>& table_rows, double logits_soft_cap);
-void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                  const std::optional<at::Tensor>& mins, int64_t bits, int64_t act_mode);
+#include "ops.h"
 
+namespace core_cpu {
 namespace {
 
 constexpr int64_t kQuantGroupSize = 32;  // Int4Codec.group_size
