@@ -368,10 +368,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["first-stage", "last-stage"])
-def test_killed_stage_ends_generate(models, victim):
-    llm = LLM(model=models["llama"].path, pipeline_parallel_size=2, **dict(ROOMY, max_model_len=256))
-    pids = llm.engine.executor.worker_pids
+def seconds_until_worker_error(llm: LLM, pid: int, match: str) -> float:
+    """SIGKILL ``pid`` once a long generation is under way; check that generate() raises the
+    WorkerError ``match`` describes and return the seconds from the kill until it did."""
     marks: dict[str, float] = {}
 
     def killer() -> None:
@@ -380,16 +379,26 @@ def test_killed_stage_ends_generate(models, victim):
             time.sleep(0.01)
         time.sleep(0.3)
         marks["t"] = time.monotonic()
-        os.kill(pids[victim], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
 
     thread = threading.Thread(target=killer)
     thread.start()
     try:
-        with pytest.raises(WorkerError, match=rf"worker rank {victim} \(pid \d+\) died: killed by signal SIGKILL"):
+        with pytest.raises(WorkerError, match=match):
             llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=240, ignore_eos=True), use_tqdm=False)
-        elapsed = time.monotonic() - marks["t"]
     finally:
         thread.join()
+    return time.monotonic() - marks["t"]
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["first-stage", "last-stage"])
+def test_killed_stage_ends_generate(models, victim):
+    llm = LLM(model=models["llama"].path, pipeline_parallel_size=2, **dict(ROOMY, max_model_len=256))
+    pids = llm.engine.executor.worker_pids
+    try:
+        elapsed = seconds_until_worker_error(
+            llm, pids[victim], rf"worker rank {victim} \(pid \d+\) died: killed by signal SIGKILL")
+    finally:
         llm.engine.shutdown()
     print(f"stage {victim} killed: generate() raised after {elapsed:.2f} s")
     assert elapsed < KILL_DEADLINE_S

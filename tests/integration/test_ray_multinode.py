@@ -18,7 +18,15 @@ import pytest
 
 from core import LLM
 from tests.helpers import tiny_llama_dir
-from tests.integration.test_pipeline_parallel import LAYERS, ROOMY, TIGHT, InFlight, greedy
+from tests.integration.test_pipeline_parallel import (
+    KILL_DEADLINE_S,
+    LAYERS,
+    ROOMY,
+    TIGHT,
+    InFlight,
+    greedy,
+    seconds_until_worker_error,
+)
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402 - only with Ray installed
@@ -89,44 +97,16 @@ def test_tp_group_larger_than_a_node_is_refused(model, cluster):
 
 
 def test_killed_stage_on_another_node_ends_generate(model, cluster):
-    """PP=2 over two nodes: SIGKILL the last stage's actor mid-generation; generate()
-    raises the executor's WorkerError naming the rank (the figure is printed; the bound is
-    generous because the machine may be busy)."""
-    import os
-    import signal
-    import threading
-    import time
-
-    from core import SamplingParams
-    from core.executor.worker import WorkerError
-    from tests.integration.test_tensor_parallel import KILL_DEADLINE_S
-
+    """PP=2 over two nodes: SIGKILL the last stage's actor mid-generation; generate() raises
+    the executor's WorkerError naming the rank (the figure is printed; the bound is generous
+    because the machine may be busy)."""
     path, _ = model
     llm = LLM(model=path, executor="ray", ray_address=cluster.address,
               pipeline_parallel_size=2, **dict(ROOMY, max_model_len=256))
-    marks: dict[str, float] = {}
     try:
         victim = len(llm.engine.executor.worker_pids) - 1
-        pid = llm.engine.executor.worker_pids[victim]
-
-        def killer() -> None:
-            deadline = time.monotonic() + 60
-            while not llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.3)
-            marks["t"] = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-
-        thread = threading.Thread(target=killer)
-        thread.start()
-        try:
-            with pytest.raises(WorkerError, match=rf"worker rank {victim} \(a Ray actor\) died"):
-                llm.generate([[5, 6, 7, 8]] * 4,
-                             SamplingParams(temperature=0, max_tokens=240, ignore_eos=True),
-                             use_tqdm=False)
-            elapsed = time.monotonic() - marks["t"]
-        finally:
-            thread.join()
+        elapsed = seconds_until_worker_error(llm, llm.engine.executor.worker_pids[victim],
+                                             rf"worker rank {victim} \(a Ray actor\) died")
     finally:
         llm.engine.shutdown()
     print(f"Ray stage {victim} killed: generate() raised after {elapsed:.2f} s")
