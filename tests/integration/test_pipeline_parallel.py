@@ -52,6 +52,7 @@ from core.scheduler import Scheduler
 from platforms.cpu.platform import CpuPlatform
 from tests.helpers import tiny_llama_dir, tiny_model_dir
 from tests.integration import live_server
+from tests.integration.test_tensor_parallel import FakeGpuPlatform
 from tests.unit.test_scheduler import FakeEngine
 
 MAX_NEW = 10
@@ -238,15 +239,6 @@ def test_even_split_and_overrides():
         split_layers(4, 5)
     with pytest.raises(ValueError, match=r"--pp-layer-split 3,0 does not fit.*2 counts >= 1.*4 layers; it has 2 adding up to 3\. The even split is 2,2"):
         split_layers(4, 2, [3, 0])
-
-
-class FakeGpuPlatform(CpuPlatform):
-    name = "fakegpu"
-    device_type = "fakegpu"
-    device_visibility_env = "FAKEGPU_VISIBLE_DEVICES"
-
-    def device_count(self) -> int:
-        return 2
 
 
 @pytest.fixture(scope="module")
