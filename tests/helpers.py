@@ -41,6 +41,11 @@ CHAT_TEMPLATE = (
 
 # The conformance suite's tiny Llama (same special ids, max length, 0.2 init for decisive
 # logits), narrower and with a bigger vocabulary and more heads for these tests.
+# The reference runs HF's plain ("eager") attention: its SDPA path drops what SDPA cannot
+# express, and transformers 5.17 (the H200's) let Gemma 2 use SDPA, silently ignoring
+# attn_logit_softcapping, so the "reference" there was an uncapped model (5.24 forces eager).
+HF_ATTENTION = "eager"
+
 TINY_LLAMA = {
     **CONFORMANCE_TINY_LLAMA,
     "vocab_size": 512,
@@ -256,7 +261,7 @@ def hf_logits(path, sequences: dict[Any, list[int]]) -> dict[Any, torch.Tensor]:
     """HF transformers' logits [len, vocab] for each full sequence (fp32, one at a time)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=HF_ATTENTION).eval()
     with torch.no_grad():
         return {s: hf(torch.tensor([ids])).logits[0] for s, ids in sequences.items()}
 

@@ -22,7 +22,8 @@ def add_throughput_args(p) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
     p.add_argument("--step-timing", action="store_true",
-                   help="time schedule / execute / update of every step separately")
+                   help="time schedule / execute / update of every step separately (this drives "
+                        "the synchronous loop, whatever --async-scheduling says)")
     add_report_args(p)
     EngineArgs.add_cli_args(p)
 
@@ -58,6 +59,8 @@ def run_throughput(ns) -> int:
         "platform": llm.engine.platform.name,
         "model": llm.engine.config.model.model,
         "dtype": llm.engine.config.model.dtype,
+        "loop": "sync (step timing)" if ns.step_timing else
+                ("async" if llm.engine.core.async_scheduling else "sync"),
         "machine": f"{host.machine()} {host.processor() or ''}".strip(),
     }
     llm.engine.shutdown()
@@ -80,11 +83,15 @@ def run_throughput(ns) -> int:
 
 
 def _generate(engine, prompts, params, step_timing: bool) -> tuple[list, dict | None, list[tuple[float, int]]]:
-    """The engine loop of ``LLM.generate``, with a token bar, ``(seconds, output tokens so
-    far)`` samples for the progress plot and, with ``step_timing``, each part of
-    ``step()`` timed separately: schedule (host), execute (inputs, forward, sampling: ends
-    in a device sync, so it holds the device time), update (host: detokenize, stop
-    checks, outputs)."""
+    """Run ``prompts`` to completion; returns the final outputs, the step split (with
+    ``step_timing``) and ``(seconds, output tokens so far)`` samples for the progress plot.
+
+    Without ``step_timing`` this is ``LLM.generate``'s loop, ``LLMEngine.step()``, so the
+    engine's asynchronous scheduling (the default where the executor supports it) is what
+    gets measured. With it, each part of a *synchronous* step is timed separately: schedule
+    (host), execute (inputs, forward, sampling: ends in a device sync, so it holds the
+    device time), update (host: detokenize, stop checks, outputs); an asynchronous step has
+    no such split, since its parts overlap."""
     ids = [engine.add_request(None, p, params, final_only=True) for p in prompts]
     counters = engine.output_processor.counters
     base = counters.generation_tokens
@@ -94,24 +101,33 @@ def _generate(engine, prompts, params, step_timing: bool) -> tuple[list, dict | 
     start, samples = time.perf_counter(), [(0.0, 0)]
     with bar(len(prompts) * params.max_tokens, "output tokens", unit="tok") as tokens:
         while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            sched = engine.scheduler.schedule()
-            t1 = time.perf_counter()
-            result = engine.executor.execute(sched)
-            t2 = time.perf_counter()
-            outs, stops = engine.output_processor.process(engine.scheduler.update(sched, result))
-            for hit in stops:
-                engine.core.stop_sample(hit.request_id, hit.index)
+            if step_timing:
+                outs = _timed_sync_step(engine, split, steps)
+            else:
+                outs = engine.step()
             for out in outs:
                 if out.finished:
                     done[out.request_id] = out
-            t3 = time.perf_counter()
-            split["schedule"] += t1 - t0
-            split["execute"] += t2 - t1
-            split["update"] += t3 - t2
-            steps["with_prefill" if sched.num_prefills else "decode_only"] += 1
             generated = counters.generation_tokens - base
             tokens.update(generated - tokens.n)
-            samples.append((t3 - start, generated))
+            samples.append((time.perf_counter() - start, generated))
     timing = {**{k: round(v, 3) for k, v in split.items()}, **steps} if step_timing else None
     return [done[i] for i in ids], timing, samples
+
+
+def _timed_sync_step(engine, split: dict[str, float], steps: dict[str, int]) -> list:
+    """One synchronous schedule -> execute -> update, each part's time added to ``split``."""
+    t0 = time.perf_counter()
+    sched = engine.scheduler.schedule()
+    t1 = time.perf_counter()
+    result = engine.executor.execute(sched)
+    t2 = time.perf_counter()
+    outs, stops = engine.output_processor.process(engine.scheduler.update(sched, result))
+    for hit in stops:
+        engine.core.stop_sample(hit.request_id, hit.index)
+    t3 = time.perf_counter()
+    split["schedule"] += t1 - t0
+    split["execute"] += t2 - t1
+    split["update"] += t3 - t2
+    steps["with_prefill" if sched.num_prefills else "decode_only"] += 1
+    return outs

@@ -11,7 +11,13 @@ free text. Each configuration runs once to warm up (grammar compile, lexer) and 
 least disturbed).
 
     PYTHONPATH=. .venv/bin/python docs/benchmarks/structured_output_overhead.py            # CPU, SmolLM2
-    PYTHONPATH=. python3 docs/benchmarks/structured_output_overhead.py --platform cuda     # the H200
+    PYTHONPATH=. python3 docs/benchmarks/structured_output_overhead.py --platform cuda \
+        --model DIR --load-format dummy --dtype bfloat16                                # the H200
+
+On the H200 (no hub, and the embedded GGUF is too big to travel with a device run) DIR holds
+SmolLM2-135M-Instruct's config.json and tokenizer, exported from the embedded GGUF here with
+``core.tokenizer.load_tokenizer`` and ``AutoConfig.from_pretrained(..., gguf_file=...)``;
+the weights are random, which changes nothing in the work done per token.
 """
 
 from __future__ import annotations
@@ -61,8 +67,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--load-format", default="auto",
+                    help="'dummy': random weights for a directory holding config.json and a tokenizer")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    llm = LLM(model=args.model, platform=args.platform, max_model_len=512)
+    llm = LLM(model=args.model, platform=args.platform, max_model_len=512, load_format=args.load_format,
+              dtype=args.dtype)
     print("| batch | schema | best s | output tok/s | overhead |")
     print("|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):

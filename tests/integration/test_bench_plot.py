@@ -81,6 +81,32 @@ def test_throughput_and_latency_plots(model, tmp_path, capsys):
     assert "Throughput:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("loop", ["async", "sync"])
+def test_throughput_drives_the_engines_own_loop(model, tmp_path, monkeypatch, loop):
+    """Without --step-timing the benchmark measures what LLM.generate runs: EngineCore.step(),
+    asynchronous when asked (it once drove a synchronous loop of its own whatever the flag
+    said, so the asynchronous figures were the synchronous loop's)."""
+    from core.engine_core.core import EngineCore
+
+    steps = []
+    real = EngineCore.step
+    monkeypatch.setattr(EngineCore, "step", lambda self: steps.append(self.async_scheduling) or real(self))
+    out = tmp_path / "thr.json"
+    flag = "--async-scheduling" if loop == "async" else "--no-async-scheduling"
+    assert main(["bench", "throughput", "--model", str(model), *ENGINE, flag, "--num-prompts", "3",
+                 "--input-len", "8", "--output-len", "4", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["loop"] == loop
+    assert steps and set(steps) == {loop == "async"}
+    assert report["output_tokens_per_s"] > 0
+    steps.clear()
+    assert main(["bench", "throughput", "--model", str(model), *ENGINE, flag, "--num-prompts", "3",
+                 "--input-len", "8", "--output-len", "4", "--step-timing", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["loop"] == "sync (step timing)" and not steps  # its own timed synchronous loop
+    assert report["step_split_s"]["decode_only"] + report["step_split_s"]["with_prefill"] > 0
+
+
 def test_plot_refused_before_the_run(model, tmp_path, capsys):
     rc = main(["bench", "throughput", "--model", str(tmp_path / "never-loaded"), "--plot", str(tmp_path / "x.jpg")])
     assert rc == 2

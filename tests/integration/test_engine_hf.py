@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core import LLM, SamplingParams
+from tests.helpers import HF_ATTENTION
 
 MAX_NEW = 12
 
@@ -27,7 +28,7 @@ def loop(request) -> bool:
 
 def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Independent reference: full recompute each step, argmax, no KV cache, no EOS stop."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=HF_ATTENTION).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
