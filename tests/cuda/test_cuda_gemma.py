@@ -84,7 +84,7 @@ def test_head_size_256_in_float32_is_refused(ops):
     q = torch.zeros(1, 2, 256, device="cuda")
     bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="head size 256 is supported in bfloat16 and float16 only"):
+    with pytest.raises(RuntimeError, match="head size 256 is supported in bfloat16, float16 and fp8 caches only, not float32"):
         ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 1, 0, 0)
     with pytest.raises(ValueError, match="head size 256 in float32"):
         CudaPagedAttention(AttentionSpec(2, 2, 256, torch.float32, 16))

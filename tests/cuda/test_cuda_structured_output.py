@@ -104,7 +104,10 @@ def test_engine_on_cuda_follows_every_schema(tmp_path):
 
     # An explicit KV budget, as the other engine tests here: sized from free memory, the
     # budget is 0 when earlier tests in this process still hold the GPU (H200 run 2026-12-02).
-    llm = LLM(model=str(tiny_llama_dir(tmp_path, seed=5)), platform="cuda", dtype="float32", max_model_len=256,
+    # hidden 256 over 4 heads: head size 64, which the CUDA kernels take (the default tiny
+    # model's 16 is refused on CUDA).
+    llm = LLM(model=str(tiny_llama_dir(tmp_path, seed=5, hidden_size=256)), platform="cuda", dtype="float32",
+              max_model_len=256,
               kv_cache_memory="64MiB")
     names = list(SCHEMAS)
     schemas = [bounded_numbers(SCHEMAS[n]) for n in names]
