@@ -64,7 +64,7 @@ class KernelInputs:
         """The same inputs on ``device``, copied the way ``stage`` copies (no wait with
         pinned staging); the state is on the device already."""
         moved = (stage(t, t.dtype, device) for t in (self.rowf, self.rowi, self.edits))
-        state = self.state if self.state.numel() else self.state.to(device)
+        state = self.state if self.state.numel() else torch.empty((0, 4), dtype=torch.int32, device=device)
         return KernelInputs(*moved, state)
 
 
