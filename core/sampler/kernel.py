@@ -140,8 +140,7 @@ def edit_list(
     """(edits [E, 4] int32, first edit of each row, end of each row's edits): the union of
     the (row, token) pairs that min_tokens, logit_bias and the penalties touch; the
     penalties only of rows without a penalty-state slot (``slots``)."""
-    hosted = list(rows) if slots is None else [r for r, s in zip(rows, slots) if s < 0]
-    check_history(hosted)
+    check_history(rows, slots)
     on_host = (lambda i: True) if slots is None else (lambda i: slots[i] < 0)
     parts: dict[str, np.ndarray] = {}
     mask = [i for i, r in enumerate(rows) if r.output_index < r.params.min_tokens]
