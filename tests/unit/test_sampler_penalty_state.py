@@ -8,8 +8,8 @@ The decode-loop tests drive both samplers over many steps of a changing batch: r
 and without penalties, sequences joining, finishing, preempted and resumed, n > 1 siblings,
 rows reordered (moved in the persistent batch), padded copies of a row (static-shape
 buckets), and, as asynchronous scheduling would give it, continuing rows whose host history
-lags the in-flight token. Both the torch pipeline and the fused kernel's own source (run on
-the host, tests/unit/sampler_kernel_host.py) are checked.
+lags the in-flight token (or is left out altogether). Both the torch pipeline and the fused
+kernel's own source (run on the host, tests/unit/sampler_kernel_host.py) are checked.
 """
 
 from __future__ import annotations
@@ -143,8 +143,12 @@ def _decode_loop(seed: int, steps: int, vocab: int, make_kernel=None) -> Sampler
         for s in preempted + paused:
             s.slot_held = False
         full = [_row(s, tuple(s.output)) for s in running]
+        # A continuing row's history is not read again: it lags the in-flight token (what
+        # asynchronous scheduling gives), or is left out altogether.
+        bare = rng.random() < 0.3
         lagging = [
-            _row(s, tuple(s.output[:-1]) if s.slot_held and s.output else tuple(s.output))
+            (dataclasses.replace(_row(s, ()), prompt_token_ids=()) if bare else _row(s, tuple(s.output[:-1])))
+            if s.slot_held and s.output else _row(s, tuple(s.output))
             for s in running
         ]
         if rng.random() < 0.25:  # padded to a bucket with copies of the last row
