@@ -255,7 +255,7 @@ class ModelRunner:
 
     def _launch(self, sched: SchedulerOutput) -> StepHandle:
         self._move_blocks(sched)
-        self.sampler.begin_step([s.seq_id for s in sched.scheduled], sched.preempted)
+        self.sampler.begin_step((s.seq_id for s in sched.scheduled), sched.preempted)
         if not sched.scheduled:
             return DoneStep(ModelRunnerOutput({}, {}))
         step = self._prepare(sched)

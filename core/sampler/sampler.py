@@ -52,7 +52,7 @@ result does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +150,7 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def begin_step(self, seq_ids, preempted: Sequence[int] = ()) -> None:
+    def begin_step(self, seq_ids: Iterable[int], preempted: Sequence[int] = ()) -> None:
         """A new step schedules the sequences ``seq_ids`` (sampled or not) and preempted
         ``preempted``: the penalty state of every other sequence is dropped (with
         ``penalty_state``; otherwise nothing to do)."""
