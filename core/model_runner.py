@@ -91,8 +91,12 @@ class ModelRunner:
         caps = self.platform.capabilities
         # Page-locked staging only pays where the device has memory of its own.
         self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
+        # Penalties from a per-sequence device state where the device has memory of its own
+        # (no host history per step); the CPU keeps the host-built path, faster there
+        # (docs/benchmarks/sampler.md).
         self.sampler = Sampler(
-            eos_token_ids, staging=Staging(pinned=self.pin_host), kernel=setup.ops.sampling_kernel
+            eos_token_ids, staging=Staging(pinned=self.pin_host), kernel=setup.ops.sampling_kernel,
+            penalty_state=self.pin_host,
         )
         self.pooling = PoolingState()
         # Sampled ids come back through pinned memory and an event where the device has
@@ -251,6 +255,7 @@ class ModelRunner:
 
     def _launch(self, sched: SchedulerOutput) -> StepHandle:
         self._move_blocks(sched)
+        self.sampler.begin_step((s.seq_id for s in sched.scheduled), sched.preempted)
         if not sched.scheduled:
             return DoneStep(ModelRunnerOutput({}, {}))
         step = self._prepare(sched)

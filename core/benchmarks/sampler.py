@@ -9,13 +9,18 @@ Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``
 (Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
 of tens of tokens) and ``flat`` (pure Gaussian, nuclei of tens of thousands of tokens: the
 worst case for top-p). ``--top-p-candidates 0`` switches the top-p candidate search off
-(always a full sort), to compare with the textbook method.
+(always a full sort), to compare with the textbook method. Mixes with penalties run a second
+time with the device penalty state (``[device state]``), to compare the two on the CPU.
 
 ``--grid`` runs the accelerator grid instead, on the selected platform's device: batches
 1/64/256 x vocab 128256 x the grid's mixes (greedy, temperature 1, top-p 0.9 + top-k 50,
-penalties), the torch pipeline ("torch") against the platform's fused sampling kernel
-("kernel", from its op table: csrc/sampling on CUDA), both staged as the model runner stages
-them. Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
+penalties with top-k 50, penalties at temperature 1), the torch pipeline ("torch") against
+the platform's fused sampling kernel ("kernel", from its op table: csrc/sampling on CUDA),
+both staged as the model runner stages them. Mixes with penalties also run both with the
+device penalty state (core/sampler/penalties.py; "torch+state", "kernel+state": the rows
+join the state in the warm-up call, each timed call then counts its tokens on the device,
+as in a decode loop) against the host-built history ("torch", "kernel": ``np.unique`` over
+each row's 512 prompt + 128 output ids every call). Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
 the read-back); ``device_ms``, the device time of ``Sampler.draw`` alone, between two events
 queued behind ~50 ms of matmuls so that the host's launch time is not counted.
 """
@@ -132,7 +137,14 @@ GPU_MIXES: dict[str, Callable[[int], SamplingParams]] = {
     "temperature 1": lambda i: SamplingParams(temperature=1.0),
     "top_p 0.9 + top_k 50": lambda i: SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
     "penalties (top_k 50 + rep/pres/freq)": MIXES["top_k 50 + rep/pres/freq penalties"],
+    "penalties (temperature 1 + rep/pres/freq)": lambda i: SamplingParams(
+        temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3
+    ),
 }
+
+
+def _has_penalties(make: Callable[[int], SamplingParams]) -> bool:
+    return make(0).needs_token_history
 
 
 class DeviceClock:
@@ -187,10 +199,11 @@ def device_grid(args: argparse.Namespace) -> list[dict]:
     caps = platform.capabilities
     stage = Staging(pinned=Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps)
     kernel = Ops({**platform.ops(), **plugins.op_overrides(info.name)}).sampling_kernel
-    paths = {"torch": {}, "kernel": {"kernel": kernel}}
+    paths = {"torch": {}, "kernel": {"kernel": kernel},
+             "torch+state": {"penalty_state": True}, "kernel+state": {"kernel": kernel, "penalty_state": True}}
     clock = DeviceClock(device, platform.synchronize)
     print(f"platform {info.name}, device {device}, kernel {kernel!r}, staging {stage}")
-    print(f"{'logits':7s} {'batch':>5s} {'mix':38s} {'path':6s} {'wall ms':>8s} {'device ms':>9s}")
+    print(f"{'logits':7s} {'batch':>5s} {'mix':41s} {'path':12s} {'wall ms':>8s} {'device ms':>9s}")
     results = []
     for shape in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -200,13 +213,15 @@ def device_grid(args: argparse.Namespace) -> list[dict]:
                     continue
                 rows = make_rows(batch, args.vocab, make)
                 for path, extra in paths.items():
+                    if "penalty_state" in extra and not _has_penalties(make):
+                        continue  # without penalties the state path is the plain one
                     s = Sampler(frozenset({0}), seed=0, staging=stage, **extra)
                     wall, _ = time_fn(lambda s=s, x=logits, r=rows: s(x, r), args.repeats)
                     dev = clock.median_ms(lambda s=s, x=logits, r=rows: s.draw(x, r), args.repeats)
                     results.append({"platform": info.name, "logits": shape, "batch": batch,
                                     "vocab": args.vocab, "mix": name, "path": path,
                                     "wall_ms": wall * 1e3, "device_ms": dev})
-                    print(f"{shape:7s} {batch:5d} {name:38s} {path:6s} {wall * 1e3:8.3f} {dev:9.3f}")
+                    print(f"{shape:7s} {batch:5d} {name:41s} {path:12s} {wall * 1e3:8.3f} {dev:9.3f}")
     return results
 
 
@@ -252,11 +267,17 @@ def main(argv: list[str] | None = None) -> None:
             if args.mixes and not any(m in name for m in args.mixes.split(",")):
                 continue
             rows = make_rows(args.batch, args.vocab, make)
-            wall, cpu = time_fn(lambda x=logits, r=rows: sampler(x, r), args.repeats)
-            results.append(
-                {"logits": shape, "mix": name, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3}
-            )
-            print(f"{shape:7s} {name:50s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f}")
+            runs = [(name, sampler)]
+            if _has_penalties(make):  # the same rows again through a fresh device state
+                state = Sampler(frozenset({0}), seed=0, top_p_candidates=args.top_p_candidates,
+                                staging=Staging(pinned=args.pinned), penalty_state=True)
+                runs.append((f"{name} [device state]", state))
+            for label, s in runs:
+                wall, cpu = time_fn(lambda s=s, x=logits, r=rows: s(x, r), args.repeats)
+                results.append(
+                    {"logits": shape, "mix": label, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3}
+                )
+                print(f"{shape:7s} {label:50s} {wall * 1e3:9.1f} {cpu * 1e3:9.1f}")
     if args.primitives:
         for name, (wall, cpu) in primitives(args.batch, args.vocab, args.repeats):
             results.append({"primitive": name, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3})

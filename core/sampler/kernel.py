@@ -20,7 +20,11 @@ Packed layout (mirrored by the ``RowF`` / ``RowI`` / ``EditField`` enums of the 
   and presence penalties, the row's uniform number, and 1 in every row when some row of
   the call is processed (min_tokens, logit bias or a penalty: the torch pipeline then
   clears NaN and +inf logits of every row; a fused kernel may ignore it).
-* ``rowi`` [B, 4] int32: top_k (0 = off), first and end index of the row's edits, unused.
+* ``rowi`` [B, 4] int32: top_k (0 = off), first and end index of the row's edits, and the
+  row's slot in the device penalty state (-1: none; :mod:`core.sampler.penalties`).
+* ``state``: that table ([slots, ceil4(vocab)] int32, on the logits' device), or an empty
+  tensor when no row has a slot. A row with a slot reads its penalties from it, so its edits
+  carry only min_tokens and logit bias (no repetition flag, no counts).
 * ``edits`` [E, 4] int32: one (row, token) pair a processor changes, rows in order and
   tokens ascending within a row: token, count in the output (presence/frequency), flags
   (1: masked by min_tokens, 2: in the repetition history), logit bias (float32 bits).
@@ -29,7 +33,7 @@ Packed layout (mirrored by the ``RowF`` / ``RowI`` / ``EditField`` enums of the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -40,7 +44,7 @@ from core.sampler.rows import SampleRow, Staging
 
 TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, UNIFORM, PROCESSED = range(8)
 ROW_F = 8
-TOP_K, EDIT_BEGIN, EDIT_END = range(3)
+TOP_K, EDIT_BEGIN, EDIT_END, PENALTY_ROW = range(4)
 ROW_I = 4
 EDIT_FIELDS = 4
 EDIT_MASK, EDIT_REPEAT = 1, 2
@@ -53,15 +57,20 @@ class KernelInputs:
     rowf: torch.Tensor
     rowi: torch.Tensor
     edits: torch.Tensor
+    state: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 4), dtype=torch.int32))
+    """The device penalty state (already on the device), or empty."""
 
     def to(self, device: torch.device, stage: Staging) -> KernelInputs:
         """The same inputs on ``device``, copied the way ``stage`` copies (no wait with
-        pinned staging)."""
-        return KernelInputs(*(stage(t, t.dtype, device) for t in (self.rowf, self.rowi, self.edits)))
+        pinned staging); the state is on the device already."""
+        moved = (stage(t, t.dtype, device) for t in (self.rowf, self.rowi, self.edits))
+        state = self.state if self.state.numel() else torch.empty((0, 4), dtype=torch.int32, device=device)
+        return KernelInputs(*moved, state)
 
 
 class SamplingKernel(Protocol):
-    """A platform's fused sampler."""
+    """A platform's fused sampler. A kernel with a true ``reads_penalty_state`` attribute
+    reads ``inputs.state``; for any other the sampler lists the penalties as edits."""
 
     def accepts(self, logits: torch.Tensor) -> bool:
         """Whether this kernel runs on these (checked float32 [B, V]) logits; decided
@@ -92,12 +101,16 @@ def pack(
     vocab: int,
     eos: frozenset[int],
     uniforms: dict[int, float],
+    slots: Sequence[int] | None = None,
+    state: torch.Tensor | None = None,
 ) -> KernelInputs:
     """Host tensors for one call. ``uniforms``: row index -> its uniform number, for the
-    rows that are not greedy."""
+    rows that are not greedy. ``slots``/``state``: each row's slot in the device penalty
+    state (-1: none) and its table; None: penalties as host-built edits."""
     n = len(rows)
     rowf = np.zeros((n, ROW_F), dtype=np.float64)
     rowi = np.zeros((n, ROW_I), dtype=np.int32)
+    rowi[:, PENALTY_ROW] = -1 if slots is None else slots
     for i, row in enumerate(rows):
         p = row.params
         rowf[i, :UNIFORM + 1] = (
@@ -113,17 +126,22 @@ def pack(
     if any(r.params.logit_bias or r.params.needs_token_history or r.output_index < r.params.min_tokens
            for r in rows):
         rowf[:, PROCESSED] = 1.0
-    edits, begin, end = edit_list(rows, vocab, eos)
+    edits, begin, end = edit_list(rows, vocab, eos, slots)
     rowi[:, EDIT_BEGIN], rowi[:, EDIT_END] = begin, end
-    return KernelInputs(torch.from_numpy(rowf), torch.from_numpy(rowi), torch.from_numpy(edits))
+    host = (torch.from_numpy(rowf), torch.from_numpy(rowi), torch.from_numpy(edits))
+    if slots is None or state is None:
+        return KernelInputs(*host)
+    return KernelInputs(*host, state)
 
 
 def edit_list(
-    rows: Sequence[SampleRow], vocab: int, eos: frozenset[int]
+    rows: Sequence[SampleRow], vocab: int, eos: frozenset[int], slots: Sequence[int] | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(edits [E, 4] int32, first edit of each row, end of each row's edits): the union of
-    the (row, token) pairs that min_tokens, logit_bias and the penalties touch."""
-    check_history(rows)
+    the (row, token) pairs that min_tokens, logit_bias and the penalties touch; the
+    penalties only of rows without a penalty-state slot (``slots``)."""
+    check_history(rows, slots)
+    on_host = (lambda i: True) if slots is None else (lambda i: slots[i] < 0)
     parts: dict[str, np.ndarray] = {}
     mask = [i for i, r in enumerate(rows) if r.output_index < r.params.min_tokens]
     if mask:
@@ -136,7 +154,7 @@ def edit_list(
     if bias_rows:
         r, c = flat_ids(rows, bias_rows, lambda row: list(row.params.logit_bias), vocab, "logit_bias")
         parts["bias"] = r * vocab + c
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and on_host(i)]
     if rep:
         r, c = flat_ids(rows, rep, lambda row: [*row.prompt_token_ids, *row.output_token_ids],
                         vocab, "token history")
@@ -144,6 +162,7 @@ def edit_list(
     pf = [
         i for i, r in enumerate(rows)
         if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
+        and on_host(i)
     ]
     if pf:
         r, c = flat_ids(rows, pf, lambda row: row.output_token_ids, vocab, "output token history")

@@ -120,11 +120,12 @@ def _per_row(rows: Sequence[SampleRow], name: str, batch: SamplingBatch) -> torc
     return batch.tensor(name, [float(getattr(r.params, name)) for r in rows], torch.float32)
 
 
-def check_history(rows: Sequence[SampleRow]) -> None:
+def check_history(rows: Sequence[SampleRow], slots: Sequence[int] | None = None) -> None:
     """Penalties need the history the scheduler promises to fill; an empty prompt or an
-    output list that disagrees with output_index means it was not filled."""
+    output list that disagrees with output_index means it was not filled. Rows with a
+    device penalty-state slot (``slots[i] >= 0``) read no history here."""
     for i, row in enumerate(rows):
-        if not row.params.needs_token_history:
+        if not row.params.needs_token_history or (slots is not None and slots[i] >= 0):
             continue
         if not row.prompt_token_ids or len(row.output_token_ids) != row.output_index:
             raise ValueError(

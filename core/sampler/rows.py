@@ -15,6 +15,8 @@ from core.sampling_params import SamplingParams
 class SampleRow(Protocol):
     """What the sampler reads of one row (``core.scheduler.ScheduledSequence`` is one)."""
 
+    seq_id: int
+    """Identifies the sequence across steps (the device penalty state is kept per id)."""
     request_id: str
     params: SamplingParams
     output_index: int
@@ -22,7 +24,8 @@ class SampleRow(Protocol):
     prompt_token_ids: Sequence[int]
     """Needed by the repetition penalty (and prompt logprobs)."""
     output_token_ids: Sequence[int]
-    """Needed by every penalty; ``len == output_index`` when they apply."""
+    """Needed by every penalty: ``len == output_index`` on the host-built path; with the
+    device penalty state (:mod:`core.sampler.penalties`) only when a sequence joins it."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,17 @@ class SamplingBatch:
     needs_processing: bool  # any min_tokens mask, logit bias or penalty this call
     device: torch.device
     stage: Staging
+    slots: list[int] | None = None
+    """Penalty-state slot of each row (-1: none), or None: penalties from the host history."""
     _tensors: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(
-        rows: Sequence[SampleRow], vocab_size: int, device: torch.device, stage: Staging
+        rows: Sequence[SampleRow],
+        vocab_size: int,
+        device: torch.device,
+        stage: Staging,
+        slots: list[int] | None = None,
     ) -> SamplingBatch:
         ps = [r.params for r in rows]
         greedy = [p.greedy for p in ps]
@@ -84,6 +93,7 @@ class SamplingBatch:
             needs_processing=processing,
             device=device,
             stage=stage,
+            slots=slots,
         )
 
     def tensor(self, name: str, values, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,13 @@ same order):
 
 Logprobs (:mod:`core.sampler.logprobs`) are of the raw model logits.
 
+Penalties read the rows' token history. By default the host lists it from the rows each
+call; with ``Sampler(penalty_state=True)`` (the model runner's choice on a device with
+memory of its own) the history lives on the device per sequence and is counted there from
+the sampled ids (:mod:`core.sampler.penalties`): no host work per step that grows with the
+tokens generated. The caller then reports each step's scheduled sequences through
+:meth:`Sampler.begin_step`.
+
 A platform's fused kernel (``Sampler(kernel=...)``, :mod:`core.sampler.kernel`) replaces
 steps 1-7 and the logsumexp with one launch where it accepts the logits; the torch pipeline
 below is the reference it follows and runs everywhere else.
@@ -45,7 +52,7 @@ result does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +62,7 @@ from core.sampler.draw import inverse_cdf, logsumexp, seeded_uniform
 from core.sampler.filters import apply_filters
 from core.sampler.kernel import NO_KERNEL, SamplingKernel, pack
 from core.sampler.logprobs import top_logprobs
+from core.sampler.penalties import PenaltyState, apply_dense
 from core.sampler.processors import add_logit_bias, apply_penalties, mask_min_tokens
 from core.sampler.rows import SampleRow, SamplingBatch, Scratch, Staging
 from core.sampler.static import pad_edits
@@ -110,6 +118,10 @@ class Sampler:
         with pinned staging (the check would wait for the device).
     :param staging: how host values reach the logits' device (see the module docstring).
     :param kernel: the platform's fused sampling kernel, used for the logits it accepts.
+    :param penalty_state: keep the penalties' history on the device per sequence
+        (:mod:`core.sampler.penalties`); the caller must then call :meth:`begin_step` every
+        step. Used with the torch pipeline and with kernels that read it
+        (``reads_penalty_state``); other kernels keep the host-built history.
     """
 
     def __init__(
@@ -119,9 +131,14 @@ class Sampler:
         top_p_candidates: int | None = None,
         staging: Staging = PLAIN,
         kernel: SamplingKernel = NO_KERNEL,
+        penalty_state: bool = False,
     ):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kernel = kernel
+        self.penalty_state = penalty_state and (
+            kernel is NO_KERNEL or bool(getattr(kernel, "reads_penalty_state", False))
+        )
+        self.penalties: PenaltyState | None = None  # made on first use
         if top_p_candidates is None:
             top_p_candidates = 0 if staging.pinned else TOP_P_CANDIDATES
         self.top_p_candidates = top_p_candidates
@@ -132,6 +149,13 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+
+    def begin_step(self, seq_ids: Iterable[int], preempted: Sequence[int] = ()) -> None:
+        """A new step schedules the sequences ``seq_ids`` (sampled or not) and preempted
+        ``preempted``: the penalty state of every other sequence is dropped (with
+        ``penalty_state``; otherwise nothing to do)."""
+        if self.penalties is not None:
+            self.penalties.begin_step(seq_ids, preempted)
 
     def __call__(
         self,
@@ -198,9 +222,32 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SampleRow]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, raw logprobs of the tokens, logsumexp per row), all on the device."""
+        slots = self._slots(logits, rows)
         if self.kernel.accepts(logits):
-            return self._fused(logits, rows)
-        batch = SamplingBatch.build(rows, logits.shape[1], logits.device, self.staging)
+            out = self._fused(logits, rows, slots)
+        else:
+            out = self._pipeline(logits, rows, slots)
+        if slots is not None:
+            self.penalties.record(slots, rows, out[0])
+        return out
+
+    def _slots(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int] | None:
+        """Each row's penalty-state slot, or None when penalties come from the host."""
+        if not self.penalty_state or not any(r.params.needs_token_history for r in rows):
+            return None
+        if self.penalties is None:
+            self.penalties = PenaltyState(logits.shape[1], logits.device, self.staging)
+        elif self.penalties.vocab != logits.shape[1]:
+            raise ValueError(
+                f"the sampler's penalty state is for {self.penalties.vocab} vocabulary columns "
+                f"but these logits have {logits.shape[1]}; pass the same vocab_size each step"
+            )
+        return self.penalties.slots(rows)
+
+    def _pipeline(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], slots: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch = SamplingBatch.build(rows, logits.shape[1], logits.device, self.staging, slots)
         top, argmax = logits.max(dim=-1)
         lse = logsumexp(logits, top, self._ws.get("exp", logits.shape, logits))
         if not batch.random_rows and not batch.needs_processing:
@@ -211,13 +258,14 @@ class Sampler:
         return tokens, chosen - lse, lse
 
     def _fused(
-        self, logits: torch.Tensor, rows: Sequence[SampleRow]
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], slots: list[int] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The platform kernel's draw, from the same uniform numbers the torch pipeline
         would use (so the generator advances alike on either path)."""
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         u = self._uniforms([rows[i] for i in random]).tolist() if random else []
-        inputs = pack(rows, logits.shape[1], self.eos_token_ids, dict(zip(random, u)))
+        state = self.penalties.table if slots is not None else None
+        inputs = pack(rows, logits.shape[1], self.eos_token_ids, dict(zip(random, u)), slots, state)
         if getattr(self.kernel, "pads_edits", False):
             inputs = pad_edits(inputs)  # a static-shape kernel: the edit count bucketed
         return self.kernel(logits, inputs.to(logits.device, self.staging))
@@ -230,9 +278,11 @@ class Sampler:
     ) -> torch.Tensor:
         """The exact distribution each row's token is drawn from: [len(rows), V] float32,
         rows sum to 1 (one-hot at the processed argmax for greedy rows). Same processing as
-        ``__call__``; for inspection and tests, not the hot path."""
+        ``__call__`` (with ``penalty_state``, rows new to it join it; nothing is counted);
+        for inspection and tests, not the hot path."""
         logits = _check_logits(logits, len(rows), vocab_size)
-        batch = SamplingBatch.build(rows, logits.shape[1], logits.device, self.staging)
+        slots = self._slots(logits, rows)
+        batch = SamplingBatch.build(rows, logits.shape[1], logits.device, self.staging, slots)
         work = self._scaled(logits, rows, batch)
         out = torch.zeros_like(logits)
         if batch.greedy_rows:
@@ -295,7 +345,10 @@ class Sampler:
             inv_t = temperature.reciprocal()
             mask_min_tokens(work, rows, self.eos_token_ids, batch)
             add_logit_bias(work, rows, inv_t, batch)
-            apply_penalties(work, rows, inv_t, batch)
+            if batch.slots is None:
+                apply_penalties(work, rows, inv_t, batch)
+            else:
+                apply_dense(work, rows, batch.slots, self.penalties.table, inv_t, batch)
             # Extreme penalties (e.g. repetition_penalty=5e-324) overflow to +inf or NaN:
             # keep such a token the most likely one instead of poisoning the whole row.
             torch.nan_to_num_(work, nan=float("-inf"), posinf=torch.finfo(work.dtype).max, neginf=float("-inf"))

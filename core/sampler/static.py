@@ -20,6 +20,8 @@ row each step, which the subset path avoids; that is why other platforms keep th
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from core.sampler.draw import chunk_sums, inverse_cdf, logsumexp
@@ -57,7 +59,7 @@ def pad_edits(inputs: KernelInputs) -> KernelInputs:
     if size == e:
         return inputs
     fill = edits[-1:] if e else torch.zeros((1, edits.shape[1]), dtype=edits.dtype)
-    return KernelInputs(inputs.rowf, inputs.rowi, torch.cat([edits, fill.expand(size - e, -1)]))
+    return dataclasses.replace(inputs, edits=torch.cat([edits, fill.expand(size - e, -1)]))
 
 
 class StaticShapeSampling:

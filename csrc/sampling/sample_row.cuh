@@ -15,6 +15,10 @@
 //   top_p * total, min-p keeps z >= max + log(min_p); the token is drawn by inverse CDF in
 //   vocabulary order from the row's uniform number u. Greedy rows (temperature 0) take the
 //   argmax (of the raw logits when nothing edits the row).
+//   Penalty state on the device (optional, per row): a row whose rowi[kPenaltyRow] is >= 0
+//   reads the int32 word state[that row * state_ld + token] of every token: bits 0..29 count
+//   the token in the row's output (presence/frequency), a nonzero word marks it seen in the
+//   prompt or output (repetition); the row's edit list then holds only min_tokens / bias.
 //
 // Layout: thread t owns the contiguous chunk [t * L, (t + 1) * L) of the vocabulary (L a
 // multiple of 4, so 16-byte loads), which keeps the per-thread partial sums in vocabulary
@@ -54,10 +58,11 @@ constexpr float kMassOne = 1099511627776.f;  // 2^40: fixed-point unit of the ma
 
 // Per-row parameters, packed by core/sampler/kernel.py (keep the indices in step).
 enum RowF { kTemperature = 0, kTopP, kMinP, kRepetition, kFrequency, kPresence, kUniform, kRowF = 8 };
-enum RowI { kTopK = 0, kEditBegin, kEditEnd, kRowI = 4 };
+enum RowI { kTopK = 0, kEditBegin, kEditEnd, kPenaltyRow, kRowI = 4 };
 // One edit: a (row, token) pair some processor changes; bias is a float's bits.
 enum EditField { kEditToken = 0, kEditCount, kEditFlags, kEditBias, kEditFields = 4 };
 enum EditFlag { kEditMask = 1, kEditRepeat = 2 };
+constexpr int32_t kStateCount = (1 << 30) - 1;  // output-count bits of a penalty-state word
 
 struct SampleArgs {
   const float* logits;     // [rows, ld] float32, the first `vocab` columns are sampled
@@ -67,6 +72,8 @@ struct SampleArgs {
   const double* rowf;      // [rows, kRowF]
   const int32_t* rowi;     // [rows, kRowI]
   const int32_t* edits;    // [edits, kEditFields], each row's slice sorted by token
+  const int32_t* state;    // [state rows, state_ld] penalty state, or null (no row has one)
+  int64_t state_ld;        // its row stride in elements (a multiple of 4 when vec4)
   int64_t* tokens;         // [rows] out
   float* logprobs;         // [rows] out: raw logprob of the token
   float* lse;              // [rows] out: logsumexp of the raw row
@@ -308,15 +315,14 @@ struct Row {
   float temperature, rep, freq, pres;
   const int32_t* edits;    // this row's edits, sorted by token
   int nedits;
+  const int32_t* state;    // this row's penalty-state words [vocab], or null
 };
 
-CORE_SAMPLE_FN float processed(const Row& r, const int32_t* e, float x) {
+CORE_SAMPLE_FN float processed(const Row& r, int flags, int32_t bias_bits, int count, float x) {
   // The processors' order: min_tokens mask, logit bias, repetition, presence/frequency.
-  const int flags = e[kEditFlags];
   float v = (flags & kEditMask) ? -INFINITY : x;
-  v += float_of_bits(e[kEditBias]);
+  v += float_of_bits(bias_bits);
   if (flags & kEditRepeat) v = v > 0.f ? v / r.rep : v * r.rep;
-  const int count = e[kEditCount];
   if (count > 0) v -= r.freq * static_cast<float>(count) + r.pres;
   v = r.scaled ? v / r.temperature : v;
   // An extreme penalty's overflow stays the most likely token instead of poisoning the row.
@@ -339,23 +345,36 @@ CORE_SAMPLE_FN void walk(const Row& r, int t, int edit, const float* src, bool v
   int next = edit < r.nedits ? r.edits[edit * kEditFields + kEditToken] : INT_MAX;
   for (int i = begin; i < end; i += 4) {
     float v[4];
+    int32_t s[4] = {0, 0, 0, 0};
     const int n = imin(4, end - i);
 #if CORE_SAMPLE_VEC4
     if (vec4 && n == 4) {
       const float4 q = *reinterpret_cast<const float4*>(src + (i - begin));
       v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+      if (r.state) {
+        const int4 c = *reinterpret_cast<const int4*>(r.state + i);
+        s[0] = c.x, s[1] = c.y, s[2] = c.z, s[3] = c.w;
+      }
     } else
 #endif
     {
       for (int j = 0; j < n; ++j) v[j] = src[i - begin + j];
+      if (r.state)
+        for (int j = 0; j < n; ++j) s[j] = r.state[i + j];
     }
     for (int j = 0; j < n; ++j) {
       const int idx = i + j;
+      // A state word adds the repetition flag (seen) and the output count.
+      const int sflags = s[j] ? kEditRepeat : 0;
+      const int scount = s[j] & kStateCount;
       float z;
       if (idx == next) {
-        z = processed(r, r.edits + edit * kEditFields, v[j]);
+        const int32_t* e = r.edits + edit * kEditFields;
+        z = processed(r, e[kEditFlags] | sflags, e[kEditBias], e[kEditCount] + scount, v[j]);
         ++edit;
         next = edit < r.nedits ? r.edits[edit * kEditFields + kEditToken] : INT_MAX;
+      } else if (sflags) {
+        z = processed(r, sflags, 0, scount, v[j]);
       } else {
         z = plain(r, v[j]);
       }
@@ -608,6 +627,8 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
   r.pres = static_cast<float>(f[kPresence]);
   r.edits = a.edits + static_cast<int64_t>(ip[kEditBegin]) * kEditFields;
   r.nedits = ip[kEditEnd] - ip[kEditBegin];
+  r.state = a.state && ip[kPenaltyRow] >= 0
+                ? a.state + static_cast<int64_t>(ip[kPenaltyRow]) * a.state_ld : nullptr;
 
   // Each thread's first edit: binary search of the row's sorted tokens.
   {
@@ -622,7 +643,7 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
   b.sync();
 
   // Pass 1: raw logsumexp and argmax, max and mass of z, per thread and for the row.
-  const bool z_is_raw = !r.scaled && r.nedits == 0;
+  const bool z_is_raw = !r.scaled && r.nedits == 0 && !r.state;
   Stats mine{{-INFINITY, 0.0}, {-INFINITY, 0.0}, {-INFINITY, INT_MAX}, {-INFINITY, INT_MAX}};
   walk(r, b.tid, w.edit_start[b.tid], r.raw + static_cast<int64_t>(b.tid) * r.chunk, r.vec4,
        [&](int i, float x, float z) {
@@ -642,7 +663,7 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
   const float zmax = all.z.m;
   const double zsum = all.z.s;
   if (greedy) {
-    token = r.nedits ? all.bz.i : all.braw.i;
+    token = (r.nedits || r.state) ? all.bz.i : all.braw.i;
   } else if (!(zmax > -INFINITY && zmax < INFINITY && zsum > 0.0 && zsum < INFINITY)) {
     token = all.braw.i;  // no usable weights (an infinite logit): the raw argmax, where it sits
   } else {

@@ -36,7 +36,7 @@ void check(const at::Tensor& t, const char* what, at::ScalarType dtype, int64_t 
 
 void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
                  const at::Tensor& logits, const at::Tensor& rowf, const at::Tensor& rowi,
-                 const at::Tensor& edits, int64_t vocab) {
+                 const at::Tensor& edits, const at::Tensor& state, int64_t vocab) {
   TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "core_C.sample_rows: logits " + shape(logits) +
@@ -52,6 +52,16 @@ void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
   check(logprobs, "logprobs", at::kFloat, rows, -1, logits);
   check(lse, "lse", at::kFloat, rows, -1, logits);
   TORCH_CHECK(rows < (int64_t{1} << 31), "core_C.sample_rows: too many rows");
+  // Penalty state: empty (no row reads one) or [state rows, width >= vocab] int32 whose
+  // rows start 16-byte aligned (width a multiple of 4): the kernel reads it with int4 loads.
+  const bool has_state = state.numel() > 0;
+  if (has_state) {
+    check(state, "state", at::kInt, -1, state.dim() == 2 ? state.size(1) : 4, logits);
+    TORCH_CHECK(state.size(1) >= vocab && state.size(1) % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(state.data_ptr<int32_t>()) % 16 == 0,
+                "core_C.sample_rows: state " + shape(state) + " needs a row width >= vocab " +
+                    std::to_string(vocab) + " that is a multiple of 4, 16-byte aligned");
+  }
   const c10::cuda::CUDAGuard guard(logits.device());
   core_sampling::SampleArgs a{};
   a.logits = logits.data_ptr<float>();
@@ -62,6 +72,8 @@ void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
   a.rowf = rowf.data_ptr<double>();
   a.rowi = rowi.data_ptr<int32_t>();
   a.edits = edits.numel() ? edits.data_ptr<int32_t>() : nullptr;
+  a.state = has_state ? state.data_ptr<int32_t>() : nullptr;
+  a.state_ld = has_state ? state.size(1) : 0;
   a.tokens = tokens.data_ptr<int64_t>();
   a.logprobs = logprobs.data_ptr<float>();
   a.lse = lse.data_ptr<float>();
@@ -73,7 +85,7 @@ void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
 
 void sample_rows_meta(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
                       const at::Tensor& logits, const at::Tensor& rowf, const at::Tensor& rowi,
-                      const at::Tensor& edits, int64_t) {
+                      const at::Tensor& edits, const at::Tensor&, int64_t) {
   TORCH_CHECK(logits.dim() == 2 && rowf.dim() == 2 && rowi.dim() == 2 && edits.dim() == 2 &&
                   tokens.dim() == 1 && logprobs.dim() == 1 && lse.dim() == 1,
               "core_C.sample_rows: expected 2-d logits/rowf/rowi/edits and 1-d outputs");
@@ -84,7 +96,7 @@ void sample_rows_meta(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
 TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def(
       "sample_rows(Tensor(a!) tokens, Tensor(b!) logprobs, Tensor(c!) lse, Tensor logits, "
-      "Tensor rowf, Tensor rowi, Tensor edits, int vocab) -> ()");
+      "Tensor rowf, Tensor rowi, Tensor edits, Tensor state, int vocab) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) { m.impl("sample_rows", &sample_rows); }

@@ -20,6 +20,9 @@ MAX_VOCAB = 1 << 30
 class CudaSamplingKernel:
     """``core_C.sample_rows`` for float32 CUDA logits with contiguous rows."""
 
+    reads_penalty_state = True
+    """Penalised rows read the device penalty state (core/sampler/penalties.py)."""
+
     def accepts(self, logits: torch.Tensor) -> bool:
         return (
             logits.is_cuda
@@ -37,7 +40,8 @@ class CudaSamplingKernel:
         logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
         lse = torch.empty(rows, dtype=torch.float32, device=dev)
         load_ops().sample_rows(
-            tokens, logprobs, lse, logits, inputs.rowf, inputs.rowi, inputs.edits, logits.shape[1]
+            tokens, logprobs, lse, logits, inputs.rowf, inputs.rowi, inputs.edits, inputs.state,
+            logits.shape[1],
         )
         return tokens, logprobs, lse
 

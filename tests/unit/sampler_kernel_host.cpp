@@ -97,7 +97,7 @@ int run_row(const core_sampling::SampleArgs& a, int row, int n, unsigned char* s
 
 extern "C" int sample_rows_host(const float* logits, int64_t ld, int rows, int vocab,
                                 const double* rowf, const int32_t* rowi, const int32_t* edits,
-                                int64_t* tokens, float* logprobs, float* lse, int threads,
+                                const int32_t* state, int64_t state_ld, int64_t* tokens, float* logprobs, float* lse, int threads,
                                 uint64_t seed) {
   if (threads <= 0 || (threads & (threads - 1)) != 0) return 1;
   core_sampling::SampleArgs a{};
@@ -109,6 +109,8 @@ extern "C" int sample_rows_host(const float* logits, int64_t ld, int rows, int v
   a.rowf = rowf;
   a.rowi = rowi;
   a.edits = edits;
+  a.state = state;
+  a.state_ld = state_ld;
   a.tokens = tokens;
   a.logprobs = logprobs;
   a.lse = lse;

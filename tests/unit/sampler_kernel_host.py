@@ -52,6 +52,8 @@ class HostKernel:
     """The kernel on ``threads`` emulated threads per row (a power of 2); ``seed`` picks
     the thread orders."""
 
+    reads_penalty_state = True
+
     def __init__(self, threads: int = 8, seed: int = 0):
         self.threads = threads
         self.seed = seed
@@ -67,12 +69,15 @@ class HostKernel:
             logits = logits.contiguous()
         rowf, rowi = inputs.rowf.contiguous(), inputs.rowi.contiguous()
         edits = inputs.edits.contiguous()
+        state = inputs.state
+        assert state.is_contiguous() and state.dtype == torch.int32 and state.shape[1] % 4 == 0
         tokens = torch.empty(rows, dtype=torch.int64)
         logprobs = torch.empty(rows, dtype=torch.float32)
         lse = torch.empty(rows, dtype=torch.float32)
         rc = host_library().sample_rows_host(
             _ptr(logits), ctypes.c_int64(logits.stride(0)), rows, vocab, _ptr(rowf), _ptr(rowi),
-            _ptr(edits) if edits.numel() else None, _ptr(tokens), _ptr(logprobs), _ptr(lse),
+            _ptr(edits) if edits.numel() else None, _ptr(state) if state.numel() else None,
+            ctypes.c_int64(state.shape[1]), _ptr(tokens), _ptr(logprobs), _ptr(lse),
             self.threads, ctypes.c_uint64(self.seed),
         )
         assert rc != 2, "the kernel's threads disagreed about a barrier (divergent __syncthreads)"
