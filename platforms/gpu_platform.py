@@ -134,28 +134,12 @@ class GpuPlatform(Platform):
                 f"the model's attention head size is {head}; the {self.name} platform's kernels "
                 f"support {list(SUPPORTED_HEAD_SIZES)}. Run this model with --platform cpu"
             )
-        reason = UNVERIFIED_ARCHITECTURES.get(config.model.architecture)
-        if reason:
-            raise ValueError(
-                f"{config.model.architecture} is not verified on the {self.name} platform: "
-                f"{reason}. Run this model with --platform cpu"
-            )
         return config
 
     def get_extension(self, name: str) -> Any:
         """``"core_C"``: the ``torch.ops.core_C`` namespace (builds or loads the kernels with
         this platform's toolchain)."""
         return self.toolchain.load_ops() if name == "core_C" else None
-
-
-# Architectures whose whole-model outputs disagreed with transformers on a GPU, refused at start
-# until tests/cuda/test_cuda_gemma.py passes (those tests empty this table to run them anyway).
-UNVERIFIED_ARCHITECTURES: dict[str, str] = {
-    # The decode kernel's soft-cap matches its reference, but tiny Gemma 2 models, capped and
-    # uncapped, gave tokens different from transformers' on the H200 (2026-12-01/02).
-    "Gemma2ForCausalLM": "its greedy tokens disagreed with transformers on the H200 "
-    "(capped and uncapped tiny models, tests/cuda/test_cuda_gemma.py)",
-}
 
 
 def _head_size(hf_config: Any) -> int | None:

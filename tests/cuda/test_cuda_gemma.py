@@ -86,7 +86,7 @@ def test_head_size_256_in_float32_is_refused(ops):
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match="head size 256 is supported in bfloat16, float16 and fp8 caches only, not float32"):
         ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 1, 0, 0)
-    with pytest.raises(ValueError, match="head size 256 in float32"):
+    with pytest.raises(ValueError, match="head size 256 with a float32 cache"):
         CudaPagedAttention(AttentionSpec(2, 2, 256, torch.float32, 16))
 
 
@@ -127,16 +127,12 @@ def test_backend_forward_gemma_layers(batch, window, dtype, head, cap):
 
 @pytest.mark.parametrize("case", ["gemma2-capped", "gemma2-mqa-uncapped", "gemma3-local-global",
                                   "gemma3-capped-mha"])
-def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, monkeypatch, case):
+def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, case):
     """fp32: greedy tokens identical to HF's through batching, CUDA graphs (the default), and
     a small cache with a 7-token step budget (chunked prefills, preemptions)."""
     import json
 
     from core import LLM
-    from platforms import gpu_platform
-
-    # Gemma 2 is refused on GPUs until these tests pass: run the model to check it anyway.
-    monkeypatch.setattr(gpu_platform, "UNVERIFIED_ARCHITECTURES", {})
     from platforms.cuda.attention import SUPPORTED_HEAD_SIZES
     from tests.integration.test_engine_hf import (
         assert_all_blocks_free,
@@ -165,16 +161,12 @@ def test_gemma_greedy_on_cuda_matches_transformers(tmp_path, monkeypatch, case):
 
 @pytest.mark.parametrize("case", ["gemma2-capped", "gemma3-local-global"])
 @pytest.mark.parametrize("head", [64, 256])
-def test_gemma_bf16_agreement_with_transformers_fp32(tmp_path, monkeypatch, case, head):
+def test_gemma_bf16_agreement_with_transformers_fp32(tmp_path, case, head):
     """bf16 on CUDA vs HF fp32: the common greedy prefix per prompt is measured and printed
     (after a first flipped near-tie the runs part); the first token, decided by a prefill
     with logits spread wide (init 0.2), must agree for at least half of the prompts. Head
     size 256 is the released Gemma models' (bf16/fp16 only on CUDA)."""
     from core import LLM
-    from platforms import gpu_platform
-
-    # Gemma 2 is refused on GPUs until these tests pass: run the model to check it anyway.
-    monkeypatch.setattr(gpu_platform, "UNVERIFIED_ARCHITECTURES", {})
     from tests.integration.test_engine_hf import hf_greedy, random_prompts, run
     from tests.integration.test_models_hf import VOCAB, tiny_dir
 
