@@ -343,43 +343,57 @@ CORE_SAMPLE_FN void walk(const Row& r, int t, int edit, const float* src, bool v
   if (begin >= r.vocab) return;
   const int end = imin(begin + r.chunk, r.vocab);
   int next = edit < r.nedits ? r.edits[edit * kEditFields + kEditToken] : INT_MAX;
+  // One vocabulary entry: its raw logit x and penalty-state word sw (0 without a state).
+  auto one = [&](int idx, float x, int32_t sw) {
+    // A state word adds the repetition flag (seen) and the output count.
+    const int sflags = sw ? kEditRepeat : 0;
+    const int scount = sw & kStateCount;
+    float z;
+    if (idx == next) {
+      const int32_t* e = r.edits + edit * kEditFields;
+      z = processed(r, e[kEditFlags] | sflags, e[kEditBias], e[kEditCount] + scount, x);
+      ++edit;
+      next = edit < r.nedits ? r.edits[edit * kEditFields + kEditToken] : INT_MAX;
+    } else if (sflags) {
+      z = processed(r, sflags, 0, scount, x);
+    } else {
+      z = plain(r, x);
+    }
+    f(idx, x, z);
+  };
+  // Four entries per pass in scalars, not arrays: arrays indexed by a loop bounded by n
+  // (the row's tail) stayed in scratch memory on CDNA (tests/compile/test_hip_compiles.py).
   for (int i = begin; i < end; i += 4) {
-    float v[4];
-    int32_t s[4] = {0, 0, 0, 0};
     const int n = imin(4, end - i);
+    float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
+    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    const float* p = src + (i - begin);
 #if CORE_SAMPLE_VEC4
     if (vec4 && n == 4) {
-      const float4 q = *reinterpret_cast<const float4*>(src + (i - begin));
-      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+      const float4 q = *reinterpret_cast<const float4*>(p);
+      v0 = q.x, v1 = q.y, v2 = q.z, v3 = q.w;
       if (r.state) {
         const int4 c = *reinterpret_cast<const int4*>(r.state + i);
-        s[0] = c.x, s[1] = c.y, s[2] = c.z, s[3] = c.w;
+        s0 = c.x, s1 = c.y, s2 = c.z, s3 = c.w;
       }
     } else
 #endif
     {
-      for (int j = 0; j < n; ++j) v[j] = src[i - begin + j];
-      if (r.state)
-        for (int j = 0; j < n; ++j) s[j] = r.state[i + j];
-    }
-    for (int j = 0; j < n; ++j) {
-      const int idx = i + j;
-      // A state word adds the repetition flag (seen) and the output count.
-      const int sflags = s[j] ? kEditRepeat : 0;
-      const int scount = s[j] & kStateCount;
-      float z;
-      if (idx == next) {
-        const int32_t* e = r.edits + edit * kEditFields;
-        z = processed(r, e[kEditFlags] | sflags, e[kEditBias], e[kEditCount] + scount, v[j]);
-        ++edit;
-        next = edit < r.nedits ? r.edits[edit * kEditFields + kEditToken] : INT_MAX;
-      } else if (sflags) {
-        z = processed(r, sflags, 0, scount, v[j]);
-      } else {
-        z = plain(r, v[j]);
+      v0 = p[0];
+      if (n > 1) v1 = p[1];
+      if (n > 2) v2 = p[2];
+      if (n > 3) v3 = p[3];
+      if (r.state) {
+        s0 = r.state[i];
+        if (n > 1) s1 = r.state[i + 1];
+        if (n > 2) s2 = r.state[i + 2];
+        if (n > 3) s3 = r.state[i + 3];
       }
-      f(idx, v[j], z);
     }
+    one(i, v0, s0);
+    if (n > 1) one(i + 1, v1, s1);
+    if (n > 2) one(i + 2, v2, s2);
+    if (n > 3) one(i + 3, v3, s3);
   }
 }
 
