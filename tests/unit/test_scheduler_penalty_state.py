@@ -15,6 +15,7 @@ makes ``slots`` raise, a history sent to a sequence the state holds fails the ch
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import random
 from collections import Counter, defaultdict
 
@@ -24,6 +25,8 @@ import torch
 
 from core.block_manager import BlockManager
 from core.config import SchedulerConfig
+from core.executor.startup import StartupReport, agree_penalty_state
+from core.kv_plan import plan_kv_cache
 from core.request import PLACEHOLDER_TOKEN, Request
 from core.sampler.penalties import COUNT_MASK, PROMPT_BIT, PenaltyState
 from core.sampler.rows import Staging
@@ -240,3 +243,13 @@ def test_with_the_state_a_grammar_still_needs_sync():
         sched.schedule()  # the grammar's matcher needs its token first
     sched.abort_request("both")
     assert not sched.needs_sync()
+
+
+def test_the_executor_learns_the_choice_from_every_rank_s_start_up_report():
+    # Reports cross process boundaries pickled (multiprocess pipes, Ray's object store).
+    plan = plan_kv_cache(budget_bytes=1 << 20, bytes_per_block=4096, block_size=16, max_model_len=64)
+    on = [pickle.loads(pickle.dumps(StartupReport(r, 1, None, plan, penalty_state=True))) for r in range(2)]
+    assert agree_penalty_state(on) is True
+    assert agree_penalty_state([StartupReport(0, 1, None, plan)]) is False  # the default: host path
+    with pytest.raises(RuntimeError, match=r"rank 0 keeps the penalty state on the device \(True\), rank 1 \(False\)"):
+        agree_penalty_state([on[0], StartupReport(1, 1, None, plan)])
