@@ -709,7 +709,7 @@ class Scheduler:
         if joins and seq.num_pending:
             raise RuntimeError(
                 f"sequence {seq.seq_id} (request {seq.request_id!r}) joins the runner's penalty "
-                f"state with a token still in flight, so its history is incomplete (scheduler "
+                "state with a token still in flight, so its history is incomplete (scheduler "
                 "bug: a sequence out of the state is scheduled only after update() has its token)"
             )
         prompt = seq.prompt_token_ids if joins or params.prompt_logprobs is not None else ()
