@@ -36,8 +36,17 @@ feeds the token it sampled on the device). ``update(N)`` then appends the token 
 the stops; a sequence that stopped at N has an extra token in step N+1, which ``update(N+1)``
 drops (its blocks were freed at N). A sequence whose in-flight token is its last
 (max_tokens, max_model_len) is not scheduled again. Requests that need every token on the
-host before their next step (penalties read the history from the schedule) make
-:meth:`Scheduler.needs_sync` true: the engine then updates before it schedules.
+host before their next step (a grammar; penalties where the sampler reads the history from
+the schedule) make :meth:`Scheduler.needs_sync` true: the engine then updates before it
+schedules.
+
+Penalty history: by default every sampled step of a penalised sequence carries its prompt
+and output ids. Where the runner keeps the penalty state itself (``penalty_state``, the
+executor's start-up report; :mod:`core.sampler.penalties`) only the step on which a
+sequence joins that state carries them: its first sampled step since it was admitted, or
+since it was preempted or left out of a step (the runner drops the state of a sequence
+missing from a step). Those sequences then need no sync: a later step's placeholder token
+was counted on the device when it was sampled.
 """
 
 from __future__ import annotations
@@ -61,11 +70,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def needs_host_tokens(params: SamplingParams) -> bool:
-    """Whether a request's next step needs its previous token on the host: penalties (the
-    sampler reads the output history from the schedule) and a grammar (its matcher
-    advances with each accepted token)."""
-    return params.needs_token_history or params.structured is not None
+def needs_host_tokens(params: SamplingParams, penalty_state: bool = False) -> bool:
+    """Whether a request's next step needs its previous token on the host: a grammar (its
+    matcher advances with each accepted token) and penalties, unless the runner keeps the
+    penalty state (``penalty_state``: the sampler then reads no history after the join)."""
+    return (params.needs_token_history and not penalty_state) or params.structured is not None
 
 
 @dataclass(frozen=True)
@@ -86,9 +95,10 @@ class ScheduledSequence:
     output_index: int
     """How many tokens this sequence has generated so far (seeds per-token randomness)."""
     prompt_token_ids: tuple[int, ...] = ()
-    """Set when the sampler needs history (penalties) or prompt logprobs are asked for."""
+    """Set when prompt logprobs are asked for, and with ``output_token_ids``."""
     output_token_ids: tuple[int, ...] = ()
-    """Set when the sampler needs history (penalties)."""
+    """Set when the sampler needs history (penalties): every sampled step, or only the step
+    on which the sequence joins the runner's penalty state (``Scheduler.penalty_state``)."""
     blocks_needed: int = 0
     """Further KV blocks this sequence may still need to reach its maximum length
     (prompt + max_tokens, capped at max_model_len) beyond its block table."""
@@ -204,7 +214,7 @@ class Scheduler:
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int] = frozenset(),
-        max_in_flight: int = 1,
+        max_in_flight: int = 1, penalty_state: bool = False,
     ):
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(
@@ -233,6 +243,14 @@ class Scheduler:
         ``update`` has it (no step carries a placeholder token), and one step takes at most
         1/max_in_flight of the live sequences, so that the stages get batches of similar
         size to overlap on."""
+        self.penalty_state = penalty_state
+        """The runner keeps each penalised sequence's penalty state from its first sampled
+        step for as long as every step schedules it and does not preempt it
+        (:class:`core.sampler.penalties.PenaltyState`): only the joining step carries the
+        history, and penalties do not count in :meth:`needs_sync`."""
+        self._in_penalty_state: set[int] = set()
+        """With ``penalty_state``: the sequences whose state the runner holds once it has
+        run the last schedule (kept in step with ``PenaltyState.begin_step``/``slots``)."""
         self._requests: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._next_order = 0
@@ -259,7 +277,7 @@ class Scheduler:
         if reason is not None:
             raise ValueError(reason)
         self._requests[request.request_id] = request
-        self._num_host_token_requests += needs_host_tokens(request.params)
+        self._num_host_token_requests += needs_host_tokens(request.params, self.penalty_state)
         self._order[request.request_id] = self._next_order
         self._next_order += 1
         for seq in request.seqs:
@@ -416,7 +434,15 @@ class Scheduler:
             else:
                 self._schedule_waiting(seq, step)
         self._run_swap_ins(step)
-        return self._output(step)
+        out = self._output(step)
+        if self.penalty_state:
+            # The runner drops the state of a sequence missing from a step or preempted in
+            # it (neither is in ``scheduled``) and takes one at a sequence's sampled row.
+            self._in_penalty_state = {
+                e.seq_id for e in out.scheduled
+                if e.params.needs_token_history and (e.sample or e.seq_id in self._in_penalty_state)
+            }
+        return out
 
     # ------------------------------------------------------- one step, per queue
 
@@ -646,15 +672,15 @@ class Scheduler:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += k
         params = seq.params
-        if seq.num_pending and needs_host_tokens(params):
+        if seq.num_pending and needs_host_tokens(params, self.penalty_state):
             raise RuntimeError(
                 f"sequence {seq.seq_id} (request {seq.request_id!r}) needs its previous token on "
                 "the host, but it is still in flight; while Scheduler.needs_sync() is true, call "
                 "update() with the step in flight before schedule()"
             )
-        history = params.needs_token_history or params.prompt_logprobs is not None
         table = self.bm.block_table(seq.seq_id)
         sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        prompt_ids, output_ids = self._history(seq, sample)
         step.entries.append(
             ScheduledSequence(
                 seq_id=seq.seq_id,
@@ -665,13 +691,29 @@ class Scheduler:
                 sample=sample,
                 params=params,
                 output_index=len(seq.output_token_ids) + seq.num_pending,
-                prompt_token_ids=seq.prompt_token_ids if history else (),
-                output_token_ids=tuple(seq.output_token_ids) if history else (),
+                prompt_token_ids=prompt_ids,
+                output_token_ids=output_ids,
                 blocks_needed=max(0, self.bm.blocks_for(self._max_len(seq)) - len(table)),
             )
         )
         if sample:
             seq.num_pending += 1
+
+    def _history(self, seq: Sequence, sample: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (prompt ids, output ids) an entry of ``seq`` carries this step."""
+        params = seq.params
+        if not self.penalty_state:
+            history = params.needs_token_history or params.prompt_logprobs is not None
+            return (seq.prompt_token_ids, tuple(seq.output_token_ids)) if history else ((), ())
+        joins = params.needs_token_history and sample and seq.seq_id not in self._in_penalty_state
+        if joins and seq.num_pending:
+            raise RuntimeError(
+                f"sequence {seq.seq_id} (request {seq.request_id!r}) joins the runner's penalty "
+                "state with a token still in flight, so its history is incomplete (scheduler "
+                "bug: a sequence out of the state is scheduled only after update() has its token)"
+            )
+        prompt = seq.prompt_token_ids if joins or params.prompt_logprobs is not None else ()
+        return prompt, tuple(seq.output_token_ids) if joins else ()
 
     def _output(self, step: _Step) -> SchedulerOutput:
         prefills = [e for e in step.entries if e.is_prefill]
@@ -729,7 +771,7 @@ class Scheduler:
 
     def _forget(self, request: Request) -> None:
         if self._requests.pop(request.request_id, None) is not None:
-            self._num_host_token_requests -= needs_host_tokens(request.params)
+            self._num_host_token_requests -= needs_host_tokens(request.params, self.penalty_state)
         self._order.pop(request.request_id, None)
 
     def _never_fits(self, request: Request) -> str | None:

@@ -4,7 +4,8 @@ With asynchronous scheduling (the default where the executor supports it) one st
 flight between calls: ``step()`` schedules and launches step N+1 while the device still
 runs step N, then waits for step N's tokens and updates with them. The deltas a call
 returns are step N's. While a request needs every token on the host before its next step
-(``Scheduler.needs_sync()``), the call updates with step N first and then schedules.
+(``Scheduler.needs_sync()``: a grammar, or penalties where the runner does not keep their
+state), the call updates with step N first and then schedules.
 
 It takes tokenized requests and returns per-request token deltas
 (:mod:`core.engine_core.types`); it holds no tokenizer state beyond the EOS ids and never
@@ -77,7 +78,8 @@ class EngineCore:
         self.pipeline_depth = self.executor.max_in_flight
         """Micro-batches kept in flight (pipeline parallelism: one per stage)."""
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_ids,
-                                   max_in_flight=self.pipeline_depth)
+                                   max_in_flight=self.pipeline_depth,
+                                   penalty_state=self.executor.penalty_state)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._pipeline: deque[tuple[SchedulerOutput, StepHandle]] = deque()
         m = config.model

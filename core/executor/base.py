@@ -30,6 +30,11 @@ class Executor(ABC):
     says its number of stages: the engine core then keeps that many micro-batches in
     flight (each of different requests), so every stage has work."""
 
+    penalty_state: bool = False
+    """Known after :meth:`initialize`: the sampling rank's runner keeps each penalised
+    sequence's penalty state across steps (the start-up reports say so,
+    :func:`~core.executor.startup.agree_penalty_state`); the engine core tells the scheduler."""
+
     @abstractmethod
     def initialize(self) -> KVPlan:
         """Load the model on every worker, size the KV cache, allocate it; return the plan."""

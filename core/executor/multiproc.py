@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from core.executor.base import Executor, refusal
-from core.executor.startup import agree_plans
+from core.executor.startup import agree_penalty_state, agree_plans
 from core.executor.worker import (
     ROOT_CAUSE_WAIT_S,
     Worker,
@@ -226,6 +226,7 @@ class MultiprocExecutor(Executor):
         ready = self._collect(set(range(self.world_size)), ("ready",))
         self.startup_reports = [ready[r][0] for r in range(self.world_size)]
         logger.info("%d worker processes, pids by rank: %s", self.world_size, self.worker_pids)
+        self.penalty_state = agree_penalty_state(self.startup_reports)
         return agree_plans(self.startup_reports)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 from core.executor.base import Executor, refusal
-from core.executor.startup import StartupReport, agree_plans
+from core.executor.startup import StartupReport, agree_penalty_state, agree_plans
 from core.executor.worker import (
     ROOT_CAUSE_WAIT_S,
     Worker,
@@ -182,6 +182,7 @@ class RayExecutor(Executor):
         self.nodes = [node_id for node_id, _, _ in nodes]
         logger.info("%d Ray actors (%d stage(s) of %d) on %d node(s)",
                     self.world_size, self.pp, self.tp, len(seen))
+        self.penalty_state = agree_penalty_state(self.startup_reports)
         return agree_plans(self.startup_reports)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

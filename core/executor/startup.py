@@ -34,6 +34,10 @@ class StartupReport:
     """The memory profile's peak (weights + activations of the largest step); None when
     the platform cannot measure or a fixed KV size made the profile unnecessary."""
     plan: KVPlan
+    penalty_state: bool = False
+    """The rank's sampler keeps each penalised sequence's penalty state across steps
+    (:mod:`core.sampler.penalties`): the scheduler then sends a sequence's history only when
+    it joins, and penalty requests do not make the asynchronous loop wait."""
 
 
 def plan_kv(runner: ModelRunner, used_bytes: int) -> KVPlan:
@@ -77,7 +81,7 @@ def initialize_runner(runner: ModelRunner, world: TorchDistributed | None = None
         plan = dataclasses.replace(plan, num_blocks=blocks, num_host_blocks=host)
     runner.allocate_kv_cache(plan.num_blocks, plan.num_host_blocks)
     logger.info("rank %d: weights %.1f MiB; %s", rank, weights / (1 << 20), plan.describe())
-    return StartupReport(rank, weights, peak, plan)
+    return StartupReport(rank, weights, peak, plan, runner.sampler.penalty_state)
 
 
 def agree_plans(reports: Sequence[StartupReport]) -> KVPlan:
@@ -101,3 +105,18 @@ def agree_plans(reports: Sequence[StartupReport]) -> KVPlan:
                 f"max_model_len, sliding_window); every rank must plan the same cache"
             )
     return first
+
+
+def agree_penalty_state(reports: Sequence[StartupReport]) -> bool:
+    """Whether the runners keep the penalty state (see :class:`StartupReport`). Only the
+    output rank samples, but every rank builds its sampler from the same platform and
+    kernel, so a difference is a bug, not a user error."""
+    first = reports[0]
+    for r in reports[1:]:
+        if r.penalty_state != first.penalty_state:
+            raise RuntimeError(
+                f"the ranks' samplers differ: rank {first.rank} keeps the penalty state on the "
+                f"device ({first.penalty_state}), rank {r.rank} ({r.penalty_state}); every rank "
+                "must build the same sampler"
+            )
+    return first.penalty_state

@@ -6,7 +6,7 @@ It is the executor that launches a step without waiting for it (asynchronous sch
 from __future__ import annotations
 
 from core.executor.base import Executor
-from core.executor.startup import agree_plans, initialize_runner
+from core.executor.startup import agree_penalty_state, agree_plans, initialize_runner
 from core.kv_plan import KVPlan
 from core.model_runner import ModelRunner, ModelRunnerOutput, RunnerSetup
 from core.scheduler import SchedulerOutput
@@ -25,6 +25,7 @@ class UniExecutor(Executor):
 
     def initialize(self) -> KVPlan:
         self.startup_reports = [initialize_runner(self.runner)]
+        self.penalty_state = agree_penalty_state(self.startup_reports)
         return agree_plans(self.startup_reports)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -20,7 +20,11 @@ Lifecycle (the model runner's persistent batch keeps rows by the same rule):
   after a preemption or a pause, recompute or swap alike). That is the only host work,
   once per admission, and it requires the history to be complete
   (``len(output_token_ids) == output_index``): the scheduler re-admits a sequence only once
-  its in-flight token is known;
+  its in-flight token is known. A scheduler told that the runner keeps this state
+  (``Scheduler(penalty_state=True)``, from the executor's start-up report) sends the history
+  on that step only, by the same rules as :meth:`PenaltyState.begin_step` and
+  :meth:`PenaltyState.slots`: a sequence's first sampled row since it was last missing from
+  a step or preempted (a non-sampled prefill chunk takes no slot);
 * each step, after the draw, the sampled token of every row with a slot is counted on the
   device (:meth:`PenaltyState.record`), *exactly once*: the token that an asynchronous step
   feeds back as a placeholder was counted when it was sampled, and a padded copy of a row
@@ -79,6 +83,10 @@ class PenaltyState:
     def num_slots(self) -> int:
         """Sequences holding a slot now."""
         return len(self._slot_of)
+
+    def holds(self, seq_id: int) -> bool:
+        """Whether the sequence holds a slot now (its next sampled row reads no history)."""
+        return seq_id in self._slot_of
 
     def begin_step(self, seq_ids: Iterable[int], preempted: Sequence[int] = ()) -> None:
         """Frees the slots of sequences that are not in this step's schedule ``seq_ids`` or

@@ -927,7 +927,7 @@ def test_needs_sync_follows_a_stand_in_condition(monkeypatch):
     # needs_host_tokens holds must make the scheduler ask for the in-flight step first.
     import core.scheduler as scheduler_module
 
-    monkeypatch.setattr(scheduler_module, "needs_host_tokens", lambda p: p.max_tokens == 7)
+    monkeypatch.setattr(scheduler_module, "needs_host_tokens", lambda p, penalty_state=False: p.max_tokens == 7)
     sched = _sched()
     sched.add_request(Request("x", tuple(prompt(5)), SamplingParams(max_tokens=7)))
     assert sched.needs_sync()
