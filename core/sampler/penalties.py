@@ -52,7 +52,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from core.sampler.processors import flat_ids
+from core.sampler.processors import flat_ids, history_filled
 from core.sampler.rows import SampleRow, SamplingBatch, Staging
 
 COUNT_MASK = (1 << 30) - 1
@@ -182,7 +182,7 @@ class PenaltyState:
 
 def check_admission(row: SampleRow, i: int) -> None:
     """A sequence's state is built from its history once: the history must be complete."""
-    if not row.prompt_token_ids or len(row.output_token_ids) != row.output_index:
+    if not history_filled(row):
         raise ValueError(
             f"row {i} (request {row.request_id!r}, sequence {row.seq_id}) uses penalties and is "
             f"new to the penalty state, but carries {len(row.prompt_token_ids)} prompt ids and "

@@ -120,6 +120,12 @@ def _per_row(rows: Sequence[SampleRow], name: str, batch: SamplingBatch) -> torc
     return batch.tensor(name, [float(getattr(r.params, name)) for r in rows], torch.float32)
 
 
+def history_filled(row: SampleRow) -> bool:
+    """Whether the row carries its whole history (a prompt, and one output id per output
+    position so far)."""
+    return bool(row.prompt_token_ids) and len(row.output_token_ids) == row.output_index
+
+
 def check_history(rows: Sequence[SampleRow], slots: Sequence[int] | None = None) -> None:
     """Penalties need the history the scheduler promises to fill; an empty prompt or an
     output list that disagrees with output_index means it was not filled. Rows with a
@@ -127,7 +133,7 @@ def check_history(rows: Sequence[SampleRow], slots: Sequence[int] | None = None)
     for i, row in enumerate(rows):
         if not row.params.needs_token_history or (slots is not None and slots[i] >= 0):
             continue
-        if not row.prompt_token_ids or len(row.output_token_ids) != row.output_index:
+        if not history_filled(row):
             raise ValueError(
                 f"row {i} (request {row.request_id!r}) uses penalties but carries "
                 f"{len(row.prompt_token_ids)} prompt ids and {len(row.output_token_ids)} output "

@@ -26,8 +26,10 @@ def loop(request) -> bool:
     return request.param
 
 
-def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Independent reference: full recompute each step, argmax, no KV cache, no EOS stop."""
+def hf_greedy(path, prompts: list[list[int]], max_new: int, processor=None) -> list[list[int]]:
+    """Independent reference: full recompute each step, argmax, no KV cache, no EOS stop;
+    ``processor`` (an HF LogitsProcessor, e.g. a repetition penalty) edits each step's
+    scores over the ids so far first."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=HF_ATTENTION).eval()
     outs = []
     with torch.no_grad():
@@ -35,7 +37,10 @@ def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
             ids = torch.tensor([p])
             gen = []
             for _ in range(max_new):
-                nxt = int(model(ids).logits[0, -1].argmax())
+                scores = model(ids).logits[:, -1]
+                if processor is not None:
+                    scores = processor(ids, scores.clone())
+                nxt = int(scores[0].argmax())
                 gen.append(nxt)
                 ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
             outs.append(gen)

@@ -19,13 +19,14 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
+from transformers import RepetitionPenaltyLogitsProcessor
 
 import core.model_runner
 from core import LLM, SamplingParams
 from core.request import PLACEHOLDER_TOKEN
 from core.sampler import Sampler
 from tests.helpers import tiny_llama_dir
+from tests.integration.test_engine_hf import hf_greedy
 
 MAX_NEW = 16
 
@@ -42,22 +43,8 @@ def prompts():
 
 
 def hf_greedy_repetition(path, prompts, penalty: float, max_new: int) -> list[list[int]]:
-    """HF's definition: full recompute each step, RepetitionPenaltyLogitsProcessor over
-    prompt + generated ids, argmax; no EOS stop."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    proc = RepetitionPenaltyLogitsProcessor(penalty)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = []
-            for _ in range(max_new):
-                scores = proc(ids, model(ids).logits[:, -1].clone())
-                nxt = int(scores[0].argmax())
-                gen.append(nxt)
-                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-            outs.append(gen)
-    return outs
+    """HF's definition: RepetitionPenaltyLogitsProcessor over prompt + generated ids."""
+    return hf_greedy(path, prompts, max_new, RepetitionPenaltyLogitsProcessor(penalty))
 
 
 def _llm(path, loop: bool, state: bool, **kw) -> LLM:

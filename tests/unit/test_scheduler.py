@@ -99,6 +99,20 @@ class FakeEngine:
     def seq(self, seq_id: int) -> Sequence:
         return next(s for r in self.requests.values() for s in r.seqs if s.seq_id == seq_id)
 
+    def run_arrivals(self, arrivals: dict[int, list], to_abort: dict[str, int]) -> None:
+        """Step until done, adding ``arrivals[step]`` (``((id, prompt, max_tokens), kwargs)``)
+        and aborting ``to_abort`` ids at their steps (the aborted ones go to ``self.aborted``)."""
+        step = 0
+        while self.sched.has_unfinished_requests() or self.in_flight or step <= max(arrivals):
+            for args, kwargs in arrivals.get(step, []):
+                self.add(*args, **kwargs)
+            for rid, when in to_abort.items():
+                if when == step and self.sched.abort_request(rid):
+                    self.aborted.add(rid)
+            self.step()
+            step += 1
+            assert step < 3000, "no progress"
+
     def step(self) -> SchedulerOutput | None:
         """One step; pipelined: schedule and run step N+1, then update with step N (or only
         update once nothing is left to schedule; then None)."""
@@ -693,16 +707,7 @@ def test_random_workloads_finish_with_reference_outputs_and_free_blocks(
         arrivals[rng.randrange(12)].append(((f"r{i}", body[:40], rng.randrange(1, 20)), kwargs))
     to_abort = {f"r{i}": rng.randrange(30) for i in rng.sample(range(28), 3)}
 
-    step = 0
-    while eng.sched.has_unfinished_requests() or eng.in_flight or step <= max(arrivals):
-        for args, kwargs in arrivals.get(step, []):
-            eng.add(*args, **kwargs)
-        for rid, when in to_abort.items():
-            if when == step and eng.sched.abort_request(rid):
-                eng.aborted.add(rid)
-        eng.step()
-        step += 1
-        assert step < 3000, "no progress"
+    eng.run_arrivals(arrivals, to_abort)
 
     assert len(eng.requests) == 28
     for rid, req in eng.requests.items():

@@ -170,16 +170,7 @@ def test_random_workloads_with_penalties(mode, seed, pipelined):
         arrivals[rng.randrange(10)].append(((f"r{i}", prompt(rng.randrange(1, 30), rng.randrange(VOCAB)),
                                              rng.randrange(1, 20)), kwargs))
     to_abort = {f"r{i}": rng.randrange(25) for i in rng.sample(range(20), 3)}
-    step = 0
-    while eng.sched.has_unfinished_requests() or eng.in_flight or step <= max(arrivals):
-        for args, kwargs in arrivals.get(step, []):
-            eng.add(*args, **kwargs)
-        for rid, when in to_abort.items():
-            if when == step and eng.sched.abort_request(rid):
-                eng.aborted.add(rid)
-        eng.step()
-        step += 1
-        assert step < 3000, "no progress"
+    eng.run_arrivals(arrivals, to_abort)
     for rid in eng.requests:
         got, want = eng.outputs(rid), eng.expected(rid)
         if rid in eng.aborted:
