@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from platforms.cpu.kernels import load_kernels
 from platforms.cpu.linear import group_int4, group_int8, grouped_matmul
 
-SHAPES = {"qkv 576->960": (960, 576), "gate+up 576->3072": (3072, 576), "down 1536->576": (576, 1536),
-          "lm head 576->49152": (49152, 576)}
+SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate+up 576->3072": (3072, 576),
+          "down 1536->576": (576, 1536), "lm head 576->49152": (49152, 576)}
 
 
 def timed(fn, repeats: int) -> float:
