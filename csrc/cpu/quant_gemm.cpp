@@ -229,12 +229,26 @@ CORE_AVX2 void tile_f32_avx2(float* out, int64_t ldo, const float* x, int64_t ld
 template <int BITS>
 CORE_AVX2 inline __m256i codes_avx2(const QuantWeights& w, int64_t row, int64_t g) {
   if constexpr (BITS == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    const __m256i both = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16)));
+    const __m256i shifted = _mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + row * w.k + g * kQuantGroup));
   }
+}
+
+// One activation row streams every weight from memory once: the codes kPrefetchRows rows
+// ahead are requested while these are multiplied (one cache line per request).
+#ifndef CORE_PREFETCH_ROWS
+#define CORE_PREFETCH_ROWS 16
+#endif
+constexpr int64_t kPrefetchRows = CORE_PREFETCH_ROWS;
+
+template <int BITS>
+inline void prefetch_codes(const QuantWeights& w, int64_t row, int64_t g) {
+  if constexpr (BITS == 4) __builtin_prefetch(w.codes + row * (w.k / 2) + g * 16);
+  else __builtin_prefetch(w.codes + row * w.k + g * kQuantGroup);
 }
 
 template <int BITS, int MT, int NT>
@@ -253,6 +267,7 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
     __m256i wv[NT];
     __m256 ws[NT];  // broadcast once per group, multiplied by each row's scale as vectors
     for (int n = 0; n < NT; ++n) {
+      if (MT == 1 && g % (BITS == 4 ? 4 : 2) == 0) prefetch_codes<BITS>(w, n0 + n + kPrefetchRows, g);
       wv[n] = codes_avx2<BITS>(w, n0 + n, g);
       ws[n] = _mm256_broadcast_ss(&sc[n][g % 8]);
     }
