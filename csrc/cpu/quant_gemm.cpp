@@ -252,21 +252,18 @@ CORE_AVX2 inline __m256i codes_avx2(const QuantWeights& w, int64_t row, int64_t 
 #endif
 constexpr int64_t kPrefetchRows = CORE_PREFETCH_ROWS;
 
-template <int BITS>
-inline void prefetch_codes(const QuantWeights& w, int64_t row, int64_t g) {
-  if constexpr (BITS == 4) __builtin_prefetch(w.codes + row * (w.k / 2) + g * 16);
-  else __builtin_prefetch(w.codes + row * w.k + g * kQuantGroup);
+// Every cache line of bytes [p, p + bytes).
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(start + off);
+  __builtin_prefetch(start + bytes - 1);
 }
 
 // The scales (and int4 mins) of rows [row, row + rows): each one contiguous span of bytes.
 inline void prefetch_params(const QuantWeights& w, int64_t row, int64_t rows) {
-  const int64_t width = w.half ? 2 : 4, groups = groups_of(w.k), bytes = rows * groups * width;
-  for (const void* p : {w.scales, w.mins}) {
-    if (p == nullptr) continue;
-    const char* start = static_cast<const char*>(p) + row * groups * width;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(start + off);
-    __builtin_prefetch(start + bytes - 1);
-  }
+  const int64_t width = w.half ? 2 : 4, groups = groups_of(w.k);
+  for (const void* p : {w.scales, w.mins})
+    if (p != nullptr) prefetch_span(static_cast<const char*>(p) + row * groups * width, rows * groups * width);
 }
 
 template <int BITS, int MT, int NT>
@@ -278,7 +275,10 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
   alignas(32) float sc[NT][8];  // the scales of 8 groups, converted 8 at a time (float16 ones)
-  if (MT == 1) prefetch_params(w, n0 + kPrefetchRows, NT);
+  if (MT == 1) {
+    prefetch_span(w.codes + (n0 + kPrefetchRows) * (BITS == 4 ? w.k / 2 : w.k), NT * (BITS == 4 ? w.k / 2 : w.k));
+    prefetch_params(w, n0 + kPrefetchRows, NT);
+  }
   for (int64_t g = 0; g < groups; ++g) {
     if (g % 8 == 0) {
       for (int n = 0; n < NT; ++n) scales8_avx2(w, (n0 + n) * groups + g, std::min<int64_t>(8, groups - g), sc[n]);
@@ -286,7 +286,6 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
     __m256i wv[NT];
     __m256 ws[NT];  // broadcast once per group, multiplied by each row's scale as vectors
     for (int n = 0; n < NT; ++n) {
-      if (MT == 1 && g % (BITS == 4 ? 4 : 2) == 0) prefetch_codes<BITS>(w, n0 + n + kPrefetchRows, g);
       wv[n] = codes_avx2<BITS>(w, n0 + n, g);
       ws[n] = _mm256_broadcast_ss(&sc[n][g % 8]);
     }
