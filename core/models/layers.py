@@ -247,7 +247,7 @@ def prepare_weights(model: nn.Module) -> None:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.linear_method.prepare(module)
         elif isinstance(module, VocabParallelEmbedding):
-            module.linear_method.prepare_embedding(module)
+            module.vocab_method.prepare_embedding(module)
 
 
 # ---- linear layers -----------------------------------------------------------------------
@@ -425,14 +425,16 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = math.ceil(num_embeddings / ctx.comm.world_size)
         self.vocab_start = ctx.comm.rank * self.rows_per_rank
         self.weight = _param(ctx, self.rows_per_rank, embedding_dim)
-        self.linear_method = ctx.linear_method  # the lookup (LinearMethod.embed)
+        # The lookup (LinearMethod.embed). Not named linear_method: code that finds linear layers
+        # by that attribute (dummy weights in a kept-quantized format) must not take this one.
+        self.vocab_method = ctx.linear_method
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return self.linear_method.embed(self, input_ids)
+            return self.vocab_method.embed(self, input_ids)
         local = input_ids - self.vocab_start
         owned = (local >= 0) & (local < self.rows_per_rank)
-        out = self.linear_method.embed(self, local.masked_fill(~owned, 0))
+        out = self.vocab_method.embed(self, local.masked_fill(~owned, 0))
         out = out.masked_fill(~owned.unsqueeze(-1), 0)
         return self.comm.all_reduce(out)
 
