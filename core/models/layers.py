@@ -208,6 +208,15 @@ class LinearMethod:
         """``x @ layer.weight.T + bias`` for this rank's slice of the weight."""
         return F.linear(x, layer.weight, bias)
 
+    def prepare_embedding(self, layer: VocabParallelEmbedding) -> None:
+        """Derive a compact form of a loaded embedding table (which a tied LM head shares); a
+        method may then release the dense table, if its :meth:`embed` and the platform's
+        ``lm_head`` read the compact form instead. Dense: nothing to derive."""
+
+    def embed(self, layer: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (in ``[0, rows_per_rank)``) of this rank's embedding table."""
+        return F.embedding(ids, layer.weight)
+
 
 DENSE = LinearMethod()
 """The dense format (stateless, shared)."""
@@ -232,10 +241,13 @@ def _load_rows(layer: nn.Module, name: str, offset: int, src: Any, what: str) ->
 
 
 def prepare_weights(model: nn.Module) -> None:
-    """Let every linear layer's method derive its weight form from the loaded weights."""
+    """Let every linear layer's (and embedding's) method derive its weight form from the
+    loaded weights."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.linear_method.prepare(module)
+        elif isinstance(module, VocabParallelEmbedding):
+            module.vocab_method.prepare_embedding(module)
 
 
 # ---- linear layers -----------------------------------------------------------------------
@@ -413,13 +425,16 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = math.ceil(num_embeddings / ctx.comm.world_size)
         self.vocab_start = ctx.comm.rank * self.rows_per_rank
         self.weight = _param(ctx, self.rows_per_rank, embedding_dim)
+        # The lookup (LinearMethod.embed). Not named linear_method: code that finds linear layers
+        # by that attribute (dummy weights in a kept-quantized format) must not take this one.
+        self.vocab_method = ctx.linear_method
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.vocab_method.embed(self, input_ids)
         local = input_ids - self.vocab_start
         owned = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.masked_fill(~owned, 0), self.weight)
+        out = self.vocab_method.embed(self, local.masked_fill(~owned, 0))
         out = out.masked_fill(~owned.unsqueeze(-1), 0)
         return self.comm.all_reduce(out)
 

@@ -57,10 +57,19 @@ struct Layer {
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(at::Tensor embedding, at::Tensor final_norm, double final_eps, at::Tensor cos_sin_cache,
+  // embedding: [table] (dense rows), or [codes, scales] of int8 codes in groups of 32 (a table
+  // released for its exact codes: QuantizedLinear.prepare_embedding), whose looked-up rows are
+  // dequantized as QuantizedLinear.embed does.
+  DecodeStack(std::vector<at::Tensor> embedding, at::Tensor final_norm, double final_eps, at::Tensor cos_sin_cache,
               int64_t rotary_dim, int64_t act_mode)
-      : embedding_(std::move(embedding)), final_norm_(std::move(final_norm)), final_eps_(final_eps),
-        cos_sin_(std::move(cos_sin_cache)), rotary_dim_(rotary_dim), act_mode_(act_mode) {}
+      : final_norm_(std::move(final_norm)), final_eps_(final_eps), cos_sin_(std::move(cos_sin_cache)),
+        rotary_dim_(rotary_dim), act_mode_(act_mode) {
+    TORCH_CHECK(embedding.size() == 1 || embedding.size() == 2,
+                "DecodeStack: the embedding takes [table] or [int8 codes, scales], got ", embedding.size(),
+                " tensors");
+    embedding_ = embedding[0];
+    if (embedding.size() == 2) embed_scales_ = embedding[1];
+  }
 
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv,
                  std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
@@ -94,7 +103,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& slots) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers added");
-    at::Tensor x = at::embedding(embedding_, input_ids), residual;
+    at::Tensor x = embed(input_ids), residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       at::Tensor h = at::empty_like(x);
@@ -126,6 +135,13 @@ class DecodeStack : public torch::CustomClassHolder {
     return next;
   }
 
+  at::Tensor embed(const at::Tensor& ids) const {
+    if (!embed_scales_.defined()) return at::embedding(embedding_, ids);
+    at::Tensor out = at::empty({ids.numel(), embedding_.size(1)}, embed_scales_.options().dtype(at::kFloat));
+    quant_dequantize(out, embedding_.index_select(0, ids), embed_scales_.index_select(0, ids), std::nullopt, 8);
+    return out;
+  }
+
   at::Tensor linear(const Linear& w, const at::Tensor& x) const {
     if (w.int4pack) {  // as QuantizedLinear.apply: torch's kernel, then the bias (not in place)
       at::Tensor out = at::_weight_int4pack_mm_for_cpu(x, w.codes, kQuantGroupSize, w.scales);
@@ -155,7 +171,7 @@ class DecodeStack : public torch::CustomClassHolder {
     return out.view({t, q_size});
   }
 
-  at::Tensor embedding_, final_norm_;
+  at::Tensor embedding_, embed_scales_, final_norm_;
   double final_eps_;
   at::Tensor cos_sin_;
   int64_t rotary_dim_, act_mode_;
@@ -164,7 +180,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(core_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<at::Tensor, at::Tensor, double, at::Tensor, int64_t, int64_t>())
+      .def(torch::init<std::vector<at::Tensor>, at::Tensor, double, at::Tensor, int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);

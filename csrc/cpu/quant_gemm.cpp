@@ -114,32 +114,39 @@ CORE_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-CORE_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum8(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // The scale (or min) at index i, F16C's conversion for float16 ones.
 CORE_AVX2 inline float param_avx2(const void* p, bool half, int64_t i) {
   return half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
-// sum of a[i] * b[i] with a stored as float16 or float32.
-CORE_AVX2 float dot_param_avx2(const void* a, bool half, const float* b, int64_t n) {
-  if (!half) return dot_avx2(static_cast<const float*>(a), b, n);
-  const uint16_t* h = static_cast<const uint16_t*>(a);
-  __m256 acc = _mm256_setzero_ps();
+// For NT consecutive weight rows from row0: the row's mins (float16 when HALF) dotted with
+// b[0, groups): per row 8-lane FMAs, hsum8, then the tail one by one (the order every earlier
+// version used, so results keep their bits), the rows interleaved: b is loaded once for all.
+template <int NT, bool HALF>
+CORE_AVX2 inline void mins_dot_avx2(const QuantWeights& w, int64_t row0, const float* b, int64_t groups,
+                                    float out[NT]) {
+  auto at = [&](int r, int64_t i) { return (row0 + r) * groups + i; };
+  __m256 acc[NT];
+  for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))),
-                          _mm256_loadu_ps(b + i), acc);
-  float s = hsum8(acc);
-  for (; i < n; ++i) s += _cvtsh_ss(h[i]) * b[i];
-  return s;
+  for (; i + 8 <= groups; i += 8) {
+    const __m256 bv = _mm256_loadu_ps(b + i);
+    for (int r = 0; r < NT; ++r) {
+      const __m256 p = HALF ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                  static_cast<const uint16_t*>(w.mins) + at(r, i))))
+                            : _mm256_loadu_ps(static_cast<const float*>(w.mins) + at(r, i));
+      acc[r] = _mm256_fmadd_ps(p, bv, acc[r]);
+    }
+  }
+  for (int r = 0; r < NT; ++r) {
+    float s = hsum8(acc[r]);
+    for (int64_t j = i; j < groups; ++j) {
+      const float p = HALF ? _cvtsh_ss(static_cast<const uint16_t*>(w.mins)[at(r, j)])
+                           : static_cast<const float*>(w.mins)[at(r, j)];
+      s += p * b[j];
+    }
+    out[r] = s;
+  }
 }
 
 // Scales [at, at + count) (count <= 8) as floats into out.
@@ -229,12 +236,34 @@ CORE_AVX2 void tile_f32_avx2(float* out, int64_t ldo, const float* x, int64_t ld
 template <int BITS>
 CORE_AVX2 inline __m256i codes_avx2(const QuantWeights& w, int64_t row, int64_t g) {
   if constexpr (BITS == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    const __m256i both = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + row * (w.k / 2) + g * 16)));
+    const __m256i shifted = _mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + row * w.k + g * kQuantGroup));
   }
+}
+
+// One activation row streams every weight from memory once: the codes kPrefetchRows rows
+// ahead are requested while these are multiplied (one cache line per request).
+#ifndef CORE_PREFETCH_ROWS
+#define CORE_PREFETCH_ROWS 16
+#endif
+constexpr int64_t kPrefetchRows = CORE_PREFETCH_ROWS;
+
+// Every cache line of bytes [p, p + bytes).
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(start + off);
+  __builtin_prefetch(start + bytes - 1);
+}
+
+// The scales (and int4 mins) of rows [row, row + rows): each one contiguous span of bytes.
+inline void prefetch_params(const QuantWeights& w, int64_t row, int64_t rows) {
+  const int64_t width = w.half ? 2 : 4, groups = groups_of(w.k);
+  for (const void* p : {w.scales, w.mins})
+    if (p != nullptr) prefetch_span(static_cast<const char*>(p) + row * groups * width, rows * groups * width);
 }
 
 template <int BITS, int MT, int NT>
@@ -246,6 +275,10 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
   alignas(32) float sc[NT][8];  // the scales of 8 groups, converted 8 at a time (float16 ones)
+  if (MT == 1) {
+    prefetch_span(w.codes + (n0 + kPrefetchRows) * (BITS == 4 ? w.k / 2 : w.k), NT * (BITS == 4 ? w.k / 2 : w.k));
+    prefetch_params(w, n0 + kPrefetchRows, NT);
+  }
   for (int64_t g = 0; g < groups; ++g) {
     if (g % 8 == 0) {
       for (int n = 0; n < NT; ++n) scales8_avx2(w, (n0 + n) * groups + g, std::min<int64_t>(8, groups - g), sc[n]);
@@ -269,12 +302,14 @@ CORE_AVX2 void tile_int8_avx2(float* out, int64_t ldo, const QuantActs& x, int64
     }
   }
   for (int m = 0; m < MT; ++m) {
+    float mins[NT];
+    if constexpr (BITS == 4) {
+      if (w.half) mins_dot_avx2<NT, true>(w, n0, x.s + (m0 + m) * groups, groups, mins);
+      else mins_dot_avx2<NT, false>(w, n0, x.s + (m0 + m) * groups, groups, mins);
+    }
     for (int n = 0; n < NT; ++n) {
       float v = hsum8(acc[m][n]);
-      if constexpr (BITS == 4) {
-        const int64_t at = (n0 + n) * groups * (w.half ? 2 : 4);
-        v += dot_param_avx2(static_cast<const char*>(w.mins) + at, w.half, x.s + (m0 + m) * groups, groups);
-      }
+      if constexpr (BITS == 4) v += mins[n];
       out[(m0 + m) * ldo + n0 + n] = v;
     }
   }

@@ -42,6 +42,7 @@ from platforms.cpu.linear import (
     GroupedQuant,
     PackedInt4,
     QuantizedLinear,
+    released_codes,
 )
 from platforms.cpu.ops import CpuOps
 
@@ -90,8 +91,10 @@ def fused_decode(kernels, model: torch.nn.Module, kv_caches: list[torch.Tensor])
         return None
     inner: LlamaModel = model.model
     rotary: RotaryEmbedding = inner.layers[0].self_attn.rotary_emb
+    codes = released_codes(inner.embed_tokens.weight)
+    table = [inner.embed_tokens.weight] if codes is None else [codes.codes, codes.scales]
     stack = torch.classes.core_cpu.DecodeStack(
-        inner.embed_tokens.weight, inner.norm.weight, inner.norm.eps, rotary.cos_sin_cache,
+        table, inner.norm.weight, inner.norm.eps, rotary.cos_sin_cache,
         rotary.rotary_dim, ACT_INT8,
     )
     for layer, cache in zip(inner.layers, kv_caches, strict=True):

@@ -210,6 +210,32 @@ class QuantizedLinear(LinearMethod):
             y = y + bias
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
+    def prepare_embedding(self, layer: nn.Module) -> None:
+        """A float32 table whose int8 codes give it back bit for bit (a GGUF Q8_0 embedding, the
+        embedded SmolLM2's, tied to its LM head) drops its dense copy for them: lookups
+        dequantize the rows they read (:meth:`embed`), the LM head multiplies by the codes
+        (``CpuOps.lm_head``), which it does under a quantized format anyway."""
+        weight = layer.weight.detach()
+        if released_codes(layer.weight) is not None or weight.dtype != torch.float32 or weight.dim() != 2:
+            return
+        kernels = kernels_or_none()
+        if kernels is None or weight.shape[1] % GROUP or weight.numel() == 0:
+            return
+        packed = group_int8(weight)
+        if _kernel_reproduces(kernels, packed, weight):
+            layer.weight.released_to = packed  # on the parameter: a tied LM head shares it
+            layer.weight.data = torch.empty(0, dtype=weight.dtype)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        packed = released_codes(layer.weight)
+        if packed is None:
+            return F.embedding(ids, layer.weight)
+        flat = ids.reshape(-1)
+        out = torch.empty((flat.numel(), packed.codes.shape[1]), dtype=torch.float32)
+        kernels_or_none().quant_dequantize(out, packed.codes.index_select(0, flat),
+                                           packed.scales.index_select(0, flat), None, packed.bits)
+        return out.view(*ids.shape, out.shape[1])
+
     def _apply_grouped(self, x, bias, packed: GroupedQuant, rows: int, k: int) -> torch.Tensor:
         flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k).contiguous()
         y = grouped_matmul(kernels_or_none(), flat, packed)
@@ -231,6 +257,12 @@ _DEQUANT_ROWS = 4096
 larger models to 4,096 x in_features floats per thread)."""
 _SCRATCH = threading.local()
 """Per thread (tensor-parallel ranks may run as threads): the reused dequantization buffer."""
+
+
+def released_codes(weight: torch.Tensor) -> GroupedQuant | None:
+    """The codes an embedding table (``weight``, shared with a tied LM head) was released
+    for by :meth:`QuantizedLinear.prepare_embedding`, or None while it is dense."""
+    return getattr(weight, "released_to", None)
 
 
 def is_released(layer: nn.Module) -> bool:

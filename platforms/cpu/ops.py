@@ -19,7 +19,14 @@ import torch
 
 from core import ops as reference
 from platforms.cpu.kernels import load_kernels
-from platforms.cpu.linear import GROUPED_MAX_ROWS, GroupedQuant, group_int8, grouped_matmul
+from platforms.cpu.linear import (
+    GROUPED_MAX_ROWS,
+    GroupedQuant,
+    dequantized_linear,
+    group_int8,
+    grouped_matmul,
+    released_codes,
+)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -129,7 +136,15 @@ class CpuOps:
         A float32 model keeps the reference's F.linear (already exact there), except under a
         quantized weight format when the weight lies exactly on an int8 grid of 32-wide groups
         (a GGUF Q8_0 embedding, as the embedded SmolLM2's): then its int8 codes are the same
-        values in a quarter of the bytes, multiplied by ``quant_linear`` (int8 activations)."""
+        values in a quarter of the bytes, multiplied by ``quant_linear`` (int8 activations).
+        A table released for those codes (``QuantizedLinear.prepare_embedding``) has no dense
+        copy left: more rows than ``quant_linear`` takes multiply by it dequantized again."""
+        released = released_codes(weight)
+        if released is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            if 0 < flat.shape[0] <= GROUPED_MAX_ROWS:
+                return grouped_matmul(self._kernels, flat if flat.stride(-1) == 1 else flat.contiguous(), released)
+            return dequantized_linear(self._kernels, flat, released, None)
         if hidden.dtype == torch.float32 and self._head.quantized and hidden.shape[0] <= GROUPED_MAX_ROWS:
             packed = self._exact_int8(weight)
             if packed is not None and hidden.dim() == 2 and hidden.stride(-1) == 1:

@@ -116,3 +116,38 @@ def test_models_it_does_not_reproduce_keep_the_modules(tmp_path, family, fmt, dt
         assert llm.engine.executor.runner.graphs is None
     finally:
         llm.engine.shutdown()
+
+
+def test_fused_step_over_a_released_embedding_equals_the_modules(tmp_path):
+    """A tied embedding on Q8_0's grid (the embedded SmolLM2's) keeps only its int8 codes; the
+    fused step looks rows up from them as the modules do."""
+    from safetensors.torch import load_file, save_file
+
+    from platforms.cpu.linear import released_codes
+    from tests.unit.test_cpu_embedding import q8_grid_table
+
+    path = tiny_model_dir(tmp_path, "llama", seed=4, tie_word_embeddings=True)
+    weights = load_file(path / "model.safetensors")
+    table = q8_grid_table(*weights["model.embed_tokens.weight"].shape, seed=7)
+    weights["model.embed_tokens.weight"] = table
+    weights.pop("lm_head.weight", None)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    llm = _engine(path)
+    try:
+        runner = llm.engine.executor.runner
+        embed = runner.model.model.embed_tokens
+        assert released_codes(embed.weight) is not None and embed.weight.numel() == 0
+        assert isinstance(runner.graphs, FusedDecode)
+        params = SamplingParams(temperature=0.0, max_tokens=1000)
+        sched = decode_schedule(3, 9, runner.block_size, params, llm.engine.vocab_size)
+        ids, pos, md = runner.prepare_inputs(sched)
+        ids = torch.randint(0, llm.engine.vocab_size, ids.shape, generator=torch.Generator().manual_seed(8))
+        _fill_random(runner.kv_caches, seed=9)
+        with torch.inference_mode():
+            assert torch.equal(embed(ids), table[ids])
+            want = runner.model(ids, pos, runner.kv_caches, md).clone()
+            _fill_random(runner.kv_caches, seed=9)
+            got = runner.graphs.run(ids, pos, md)
+        assert torch.equal(got, want)
+    finally:
+        llm.engine.shutdown()
