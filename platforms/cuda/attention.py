@@ -1,4 +1,5 @@
-"""CUDA attention: our paged decode kernels (csrc/) for decode rows, torch SDPA for prompts.
+"""CUDA attention: our paged decode kernels (csrc/) for decode rows, torch's flash attention
+for prompts (one variable-length call per run of fresh prompts, SDPA per chunk over cache).
 
 Per-layer attention variants (Gemma 2/3): the softmax scale (``query_pre_attn_scalar``) and
 the sliding window come from each layer's spec, in both paths. Attention-logit soft-capping
@@ -104,6 +105,7 @@ class CudaPagedAttention(AttentionBackend):
         self._scales = (spec.k_scale, spec.v_scale) if spec.fp8_cache else (1.0, 1.0)
         self._ops = ops if ops is not None else load_ops()
         self._num_sms: int | None = None
+        self._varlen: bool | None = None  # decided on the first prompt (needs the device)
 
     @staticmethod
     def kv_cache_shape(
@@ -172,15 +174,64 @@ class CudaPagedAttention(AttentionBackend):
         return self._num_sms
 
     # ---- prompts ----------------------------------------------------------------------------
+    def _varlen_ok(self, device: torch.device) -> bool:
+        """Whether fresh prompts can go through flash attention's variable-length entry (one
+        call for a run of prompts): a CUDA (not HIP) build, an sm80+ device, fp16/bf16, a head
+        size flash takes, and nothing flash cannot do here (soft-capping, an FP8 cache)."""
+        if self._varlen is None:
+            spec = self.spec
+            self._varlen = (
+                torch.version.hip is None
+                and spec.dtype in (torch.float16, torch.bfloat16)
+                and spec.head_size % 8 == 0 and spec.head_size <= 256
+                and spec.logits_soft_cap is None and not spec.fp8_cache
+                and torch.cuda.get_device_capability(device) >= (8, 0)
+            )
+        return self._varlen
+
+    def _fresh_prompts(self, query, key, value, md: AttentionMetadata, first: int, last: int,
+                       rows: slice, out) -> None:
+        """Prefills ``[first, last)``, all without cached context, occupying ``rows``: one
+        causal varlen flash call over their own keys (GQA in the kernel, no repeat). Empty
+        prefills (a shaped batch's padding) are zero-length sequences to flash."""
+        if rows.stop == rows.start:
+            return
+        starts = md.query_start_loc[first : last + 1]
+        if rows.start:
+            starts = starts - rows.start
+        seq_lens = md.seq_lens_host or tuple(md.seq_lens.tolist())
+        longest = max(seq_lens[first:last])
+        window = self.spec.sliding_window
+        # our window counts the query's own position: flash's left window is one less
+        extra = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+        o = torch.ops.aten._flash_attention_forward(
+            query[rows], key[rows], value[rows], starts, starts, longest, longest, 0.0, True, False,
+            scale=self.spec.softmax_scale, **extra,
+        )[0]
+        out[rows] = o
+
     def _prefill(self, query, key, value, kv_cache, md: AttentionMetadata, out) -> None:
-        """Prompt rows through SDPA: a fresh prompt attends to its own keys (flash, causal);
-        a chunk over cached context gathers the context from the cache and uses a
-        bottom-right-aligned causal mask (memory-efficient kernel)."""
+        """Prompt rows. Runs of fresh prompts (no cached context) take one varlen flash call
+        each where :meth:`_varlen_ok`; otherwise a fresh prompt attends to its own keys through
+        SDPA (flash, causal), and a chunk over cached context gathers the context from the cache
+        and uses a bottom-right-aligned causal mask (memory-efficient kernel)."""
         seq_lens = md.seq_lens_host or tuple(md.seq_lens.tolist())
         ctx_lens = md.context_lens_host or tuple(md.context_lens.tolist())
         window, cap = self.spec.sliding_window, self.spec.logits_soft_cap
-        start = 0
-        for i in range(md.num_prefills):
+        varlen = self._varlen_ok(query.device)
+        start, run_first, run_start = 0, None, 0
+        for i in range(md.num_prefills + 1):
+            fresh = i < md.num_prefills and ctx_lens[i] == 0
+            if varlen and fresh:
+                if run_first is None:
+                    run_first, run_start = i, start
+                start += seq_lens[i]
+                continue
+            if run_first is not None:  # a run of fresh prompts ends before i
+                self._fresh_prompts(query, key, value, md, run_first, i, slice(run_start, start), out)
+                run_first = None
+            if i == md.num_prefills:
+                break
             q_len, ctx = seq_lens[i] - ctx_lens[i], ctx_lens[i]
             rows = slice(start, start + q_len)
             start += q_len

@@ -62,6 +62,8 @@ BATCHES = {
     "chunked_prefill": [(40, 23), (16, 16), (300, 3)],
     "decode": [(70, 1), (5, 1), (600, 1), (1, 1)],
     "mixed": [(0, 37), (40, 23), (70, 1), (5, 1), (1500, 1)],
+    # runs of fresh prompts (one varlen flash call each in fp16/bf16) around chunks over cache
+    "prompt_runs": [(0, 37), (0, 5), (40, 23), (0, 64), (0, 1), (16, 16), (0, 130), (9, 1)],
 }
 
 
@@ -85,6 +87,32 @@ def test_forward_with_sliding_window():
     query, key, value, cache, md, ref = build_batch(spec, BATCHES["mixed"], torch.Generator().manual_seed(8))
     out = make_backend(spec).forward(query, key, value, cache, md)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prompt_runs_with_sliding_window(dtype):
+    """The varlen flash call's window (bf16; fp32 takes the per-prompt SDPA path) counts the
+    query's own position like the reference; GQA 8:2."""
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=128, dtype=dtype,
+                         block_size=16, sliding_window=24)
+    query, key, value, cache, md, ref = build_batch(spec, BATCHES["prompt_runs"], torch.Generator().manual_seed(9))
+    backend = make_backend(spec)
+    out = backend.forward(query, key, value, cache, md)
+    assert backend._varlen is (dtype == torch.bfloat16)
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_prompts_from_a_fused_qkv_projection():
+    """Query/key/value as the models hand them over: strided views of one fused projection
+    (row stride (H + 2 Hkv) x D), not contiguous tensors."""
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, block_size=16)
+    query, key, value, cache, md, ref = build_batch(spec, BATCHES["prompt_runs"], torch.Generator().manual_seed(10))
+    fused = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
+    q, k, v = fused.split([8 * 64, 2 * 64, 2 * 64], dim=1)
+    q, k, v = q.view(-1, 8, 64), k.view(-1, 2, 64), v.view(-1, 2, 64)
+    assert not q.is_contiguous()
+    out = make_backend(spec).forward(q, k, v, cache, md)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
 def test_backend_refuses_unsupported_layer():
