@@ -18,13 +18,16 @@ namespace {
 constexpr int kGemvWarps = 8;  // output rows per CTA
 constexpr int kDequantThreads = 256;
 
-// A float8 e4m3 ("fn") byte as a float. Its 7 magnitude bits shifted to bits 20-26 of a
-// float32 read as 2^(e - 127) * 1.m (e > 0) or 0.m * 2^-126 (e == 0); multiplying by 2^120
-// moves the exponent bias from 127 to e4m3's 7. Exact for every finite e4m3 value.
+#if !CORE_HAS_FP8_KV
+// A float8 e4m3 ("fn") byte as a float, where the toolkit has no conversion (HIP). Its 7
+// magnitude bits shifted to bits 20-26 of a float32 read as 2^(e - 127) * 1.m (e > 0) or
+// 0.m * 2^-126 (e == 0); multiplying by 2^120 moves the exponent bias from 127 to e4m3's 7.
+// Exact for every finite e4m3 value.
 __device__ __forceinline__ float fp8_e4m3_to_float(uint32_t byte) {
   const float magnitude = __uint_as_float((byte & 0x7fu) << 20) * 1.329227995784916e36f;  // 2^120
   return (byte & 0x80u) ? -magnitude : magnitude;
 }
+#endif
 
 // Decoding one 16-byte vector of codes into kPer floats (in input order).
 template <QuantCode C>
@@ -71,8 +74,14 @@ struct Codes<QuantCode::kFp8> {
     unpack_words(v, w);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+#if CORE_HAS_FP8_KV  // the toolkit's pair conversion: one cvt per two codes on sm_89+
+      const float2 lo = fp8x2_e4m3_bits_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
+      const float2 hi = fp8x2_e4m3_bits_to_float2(static_cast<uint16_t>(w[i] >> 16));
+      q[4 * i] = lo.x, q[4 * i + 1] = lo.y, q[4 * i + 2] = hi.x, q[4 * i + 3] = hi.y;
+#else
 #pragma unroll
       for (int j = 0; j < 4; ++j) q[4 * i + j] = fp8_e4m3_to_float((w[i] >> (8 * j)) & 0xffu);
+#endif
     }
   }
 };
@@ -85,12 +94,51 @@ struct Codes<QuantCode::kFp8> {
 // reference's anyway (lanes, then a shuffle tree), so the GEMV's contract is a tolerance
 // (tests/cuda/test_cuda_quant.py::check), and at M = 1 the int4 path is close to the ALU
 // limit, where an extra rounding step per weight would cost.
+//
+// Each lane loads GemvUnroll<M> of its code vectors (through the read-only path) before it
+// decodes any, so a warp keeps 32 x 16 x that many bytes in
+// flight instead of one vector per lane per trip: one at a time, the 2026-12-02 H200 run read
+// fp8 codes at 1.46 TB/s and int4 at 1.1-1.2 TB/s at M = 1, latency-bound. From 8 rows the
+// kernel is bound by its arithmetic (every weight meets M rows) and the extra registers would
+// spill, so the unroll shrinks with M.
+template <int M>
+struct GemvUnroll {
+  static constexpr int kValue = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+};
+
+template <typename T, QuantCode C, int M>
+__device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4& cv, int v, const float* scales,
+                                            const float* mins, const typename T::Storage* x, float (&acc)[M]) {
+  using Code = Codes<C>;
+  constexpr int P = Code::kPer;
+  constexpr int V = T::kVec;
+  float q[P];
+  Code::decode(cv, q);
+  const int k0 = v * P;
+  const int g = k0 / a.group;
+  const float s = scales[g];
+  const float mn = mins != nullptr ? mins[g] : 0.f;
+#pragma unroll
+  for (int j = 0; j < P / V; ++j) {
+    float w[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) w[i] = q[j * V + i] * s + mn;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const auto* xr = x + (m < a.m ? m : 0) * a.x_stride + k0 + j * V;
+      float xf[V];
+      T::to_float(*reinterpret_cast<const uint4*>(xr), xf);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[m] += w[i] * xf[i];
+    }
+  }
+}
+
 template <typename T, QuantCode C, int M>
 __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
     quant_gemv_kernel(const QuantGemvArgs a) {
   using Code = Codes<C>;
   constexpr int P = Code::kPer;
-  constexpr int V = T::kVec;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int row = blockIdx.x * kGemvWarps + warp;
   if (row >= a.n) return;  // the whole warp leaves; nothing below synchronises the CTA
@@ -103,28 +151,16 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  for (int v = lane; v < vecs; v += kWarpSize) {
-    float q[P];
-    Code::decode(codes[v], q);
-    const int k0 = v * P;
-    const int g = k0 / a.group;
-    const float s = scales[g];
-    const float mn = mins != nullptr ? mins[g] : 0.f;
+  constexpr int U = GemvUnroll<M>::kValue;
+  int v = lane;
+  for (; v + (U - 1) * kWarpSize < vecs; v += U * kWarpSize) {
+    uint4 cv[U];
 #pragma unroll
-    for (int j = 0; j < P / V; ++j) {
-      float w[V];
+    for (int u = 0; u < U; ++u) cv[u] = __ldg(codes + v + u * kWarpSize);
 #pragma unroll
-      for (int i = 0; i < V; ++i) w[i] = q[j * V + i] * s + mn;
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const auto* xr = x + (m < a.m ? m : 0) * a.x_stride + k0 + j * V;
-        float xf[V];
-        T::to_float(*reinterpret_cast<const uint4*>(xr), xf);
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[m] += w[i] * xf[i];
-      }
-    }
+    for (int u = 0; u < U; ++u) gemv_vector<T, C, M>(a, cv[u], v + u * kWarpSize, scales, mins, x, acc);
   }
+  for (; v < vecs; v += kWarpSize) gemv_vector<T, C, M>(a, __ldg(codes + v), v, scales, mins, x, acc);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -210,6 +246,99 @@ cudaError_t launch_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+#if CORE_HAS_FP8_KV
+// ---- dynamic FP8 activations ------------------------------------------------------------------
+constexpr int kActThreads = 256;
+constexpr float kFp8Max = 448.f, kMinAmax = 1e-12f;
+
+// max(amax, 1e-12) / 448 as torch evaluates it (a tensor divided by a Python scalar is a
+// multiplication by the scalar's float reciprocal on CUDA), so the scales match the torch
+// ops bit for bit; the codes then divide exactly, like torch's tensor / tensor.
+__device__ __forceinline__ float act_scale(float amax) {
+  return __fmul_rn(fmaxf(amax, kMinAmax), 1.f / kFp8Max);
+}
+
+// 8 consecutive elements of row `row` from vector index v (T::kVec elements per 16 bytes:
+// one load for fp16/bf16, two for fp32); zeros for padding rows.
+template <typename T>
+__device__ __forceinline__ void load8(const Fp8ActivationArgs& a, int row, int v, float (&f)[8]) {
+  if (row >= a.m) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = 0.f;
+    return;
+  }
+  const auto* x = static_cast<const typename T::Storage*>(a.x) + row * a.x_stride + v * 8;
+#pragma unroll
+  for (int h = 0; h < 8 / T::kVec; ++h) {
+    float part[T::kVec];
+    T::to_float(*reinterpret_cast<const uint4*>(x + h * T::kVec), part);
+#pragma unroll
+    for (int i = 0; i < T::kVec; ++i) f[h * T::kVec + i] = part[i];
+  }
+}
+
+__device__ __forceinline__ void store8(const Fp8ActivationArgs& a, int row, int v, const float (&f)[8], float scale) {
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    w[i / 4] |= uint32_t(float_to_fp8_e4m3_bits(__fdiv_rn(f[i], scale))) << (8 * (i % 4));
+  }
+  *reinterpret_cast<uint2*>(a.codes + int64_t(row) * a.k + v * 8) = make_uint2(w[0], w[1]);
+}
+
+// One CTA per row. group == k: the row's max|x| reduced over the CTA, then a second pass over
+// the (L1/L2-resident) row quantizes it. group == 128: the 16 consecutive lanes that hold a
+// group's 16 vectors of 8 reduce its max with shuffles and quantize at once.
+template <typename T>
+__global__ void __launch_bounds__(kActThreads) fp8_activations_kernel(const Fp8ActivationArgs a) {
+  const int row = blockIdx.x;
+  const int vecs = a.k / 8;
+  if (a.group != a.k) {  // 128: every trip of the loop is uniform across the CTA (shuffles)
+    constexpr int kLanes = 128 / 8;
+    for (int base = 0; base < vecs; base += kActThreads) {
+      const int v = base + threadIdx.x;
+      float f[8];
+      float amax = 0.f;
+      if (v < vecs) {
+        load8<T>(a, row, v, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+      }
+#pragma unroll
+      for (int off = kLanes / 2; off > 0; off /= 2) amax = fmaxf(amax, warp_shfl_xor(amax, off));
+      if (v < vecs) {
+        const float scale = act_scale(amax);
+        store8(a, row, v, f, scale);
+        if (v % kLanes == 0) a.scales[int64_t(v / kLanes) * a.m_total + row] = scale;
+      }
+    }
+    return;
+  }
+  __shared__ float partial[kActThreads / kWarpSize];
+  float amax = 0.f;
+  for (int v = threadIdx.x; v < vecs; v += kActThreads) {
+    float f[8];
+    load8<T>(a, row, v, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+  }
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2) amax = fmaxf(amax, warp_shfl_xor(amax, off));
+  if (threadIdx.x % kWarpSize == 0) partial[threadIdx.x / kWarpSize] = amax;
+  __syncthreads();
+  amax = 0.f;
+#pragma unroll
+  for (int w = 0; w < kActThreads / kWarpSize; ++w) amax = fmaxf(amax, partial[w]);
+  const float scale = act_scale(amax);
+  for (int v = threadIdx.x; v < vecs; v += kActThreads) {
+    float f[8];
+    load8<T>(a, row, v, f);
+    store8(a, row, v, f, scale);
+  }
+  if (threadIdx.x == 0) a.scales[row] = scale;
+}
+#endif  // CORE_HAS_FP8_KV
+
 // Dispatch over (activation dtype, code) for either launcher.
 template <template <typename, QuantCode> class Launch, typename Args>
 cudaError_t dispatch(const Args& a, cudaStream_t stream) {
@@ -258,6 +387,26 @@ cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
 cudaError_t quant_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
   if (!valid_shape(a.n, a.k, a.group, a.code)) return cudaErrorInvalidValue;
   return dispatch<DequantLauncher>(a, stream);
+}
+
+cudaError_t quant_fp8_activations(const Fp8ActivationArgs& a, cudaStream_t stream) {
+#if CORE_HAS_FP8_KV
+  if (a.m < 0 || a.m_total < a.m || a.k <= 0 || a.k % 8 || (a.group != a.k && (a.group != 128 || a.k % 128))) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.m_total == 0) return cudaSuccess;
+  switch (a.dtype) {
+    case DType::kFloat16: fp8_activations_kernel<Fp16><<<a.m_total, kActThreads, 0, stream>>>(a); break;
+    case DType::kBFloat16: fp8_activations_kernel<Bf16><<<a.m_total, kActThreads, 0, stream>>>(a); break;
+    case DType::kFloat32: fp8_activations_kernel<Fp32><<<a.m_total, kActThreads, 0, stream>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+#else
+  (void)a;
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
 }
 
 }  // namespace core_kernels

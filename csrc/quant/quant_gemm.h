@@ -54,4 +54,23 @@ struct QuantDequantArgs {
 // W itself, dequantized (for prefill: dequantize once, then one dense GEMM).
 cudaError_t quant_dequant(const QuantDequantArgs& args, cudaStream_t stream);
 
+struct Fp8ActivationArgs {
+  uint8_t* codes;         // [m_total, k] e4m3 codes, contiguous
+  float* scales;          // group == k: [m_total]; group == 128: [k / 128, m_total] (the
+                          // outer-dim-major [m_total, k / 128] that torch._scaled_mm takes)
+  const void* x;          // [m, k], row stride x_stride elements, rows 16-byte aligned
+  int64_t x_stride;
+  int m, m_total, k, group;
+  DType dtype;
+};
+
+// Dynamic FP8 activations for W8A8 GEMMs in one pass: per row (group == k) or per row and
+// 128 inputs (group == 128), scale = max(max|x|, 1e-12) * (1 / 448) and code = e4m3(x / scale),
+// rounded to nearest even and saturated to +-448: bit for bit what
+// platforms/cuda/quant.py's torch ops compute. Rows m .. m_total - 1 are padding: codes 0,
+// scale 1e-12 / 448 (what those ops give zero rows). cudaErrorNotSupported where the toolkit
+// has no e4m3 conversion (HIP); cudaErrorInvalidValue outside the shapes above (k % 128 == 0
+// when group == 128, k % 8 == 0).
+cudaError_t quant_fp8_activations(const Fp8ActivationArgs& args, cudaStream_t stream);
+
 }  // namespace core_kernels

@@ -129,6 +129,39 @@ void quant_dequant(at::Tensor& out, const at::Tensor& codes, const at::Tensor& s
   check_launch(core_kernels::quant_dequant(a, c10::cuda::getCurrentCUDAStream()), "quant_dequant");
 }
 
+void quant_fp8_activations(at::Tensor& codes, at::Tensor& scales, const at::Tensor& x, int64_t group) {
+  const char* op = "quant_fp8_activations";
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 && (x.stride(0) * x.element_size()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "core_C.quant_fp8_activations: x " + shape(x) +
+                  " must be a 2-D CUDA tensor with contiguous, 16-byte aligned rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 8 == 0 && (group == k || (group == 128 && k % 128 == 0)),
+              "core_C.quant_fp8_activations: group " + std::to_string(group) + " must be k (" +
+                  std::to_string(k) + ", a multiple of 8) or 128 (k a multiple of 128)");
+  TORCH_CHECK(codes.device() == x.device() && codes.is_contiguous() && codes.element_size() == 1 &&
+                  codes.dim() == 2 && codes.size(0) >= m && codes.size(1) == k,
+              "core_C.quant_fp8_activations: codes " + shape(codes) + " must be contiguous bytes [>= " +
+                  std::to_string(m) + ", " + std::to_string(k) + "] on x's device");
+  const int64_t m_total = codes.size(0);
+  TORCH_CHECK(scales.device() == x.device() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == m_total * (k / group),
+              "core_C.quant_fp8_activations: scales " + shape(scales) + " must be contiguous float32 of " +
+                  std::to_string(m_total * (k / group)) + " elements ([k / group, rows of codes])");
+  const c10::cuda::CUDAGuard guard(x.device());
+  core_kernels::Fp8ActivationArgs a{};
+  a.codes = static_cast<uint8_t*>(codes.data_ptr());
+  a.scales = scales.data_ptr<float>();
+  a.x = x.data_ptr();
+  a.x_stride = x.stride(0);
+  a.m = static_cast<int>(m);
+  a.m_total = static_cast<int>(m_total);
+  a.k = static_cast<int>(k);
+  a.group = static_cast<int>(group);
+  a.dtype = dtype_of(x, op);
+  check_launch(core_kernels::quant_fp8_activations(a, c10::cuda::getCurrentCUDAStream()), op);
+}
+
 // ---- Meta: ranks only (sizes may be symbolic under torch.compile) ----------------------------
 void quant_gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>&, int64_t, int64_t) {
@@ -144,7 +177,12 @@ void quant_dequant_meta(at::Tensor& out, const at::Tensor& codes, const at::Tens
 
 }  // namespace
 
+void quant_fp8_activations_meta(at::Tensor& codes, at::Tensor&, const at::Tensor& x, int64_t) {
+  TORCH_CHECK(codes.dim() == 2 && x.dim() == 2, "quant_fp8_activations: expected 2-d codes and x");
+}
+
 TORCH_LIBRARY_FRAGMENT(core_C, m) {
+  m.def("quant_fp8_activations(Tensor(a!) codes, Tensor(b!) scales, Tensor x, int group) -> ()");
   m.def(
       "quant_gemv(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
       "int group) -> ()");
@@ -156,9 +194,11 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) {
   m.impl("quant_gemv", &quant_gemv);
   m.impl("quant_dequant", &quant_dequant);
+  m.impl("quant_fp8_activations", &quant_fp8_activations);
 }
 
 TORCH_LIBRARY_IMPL(core_C, Meta, m) {
   m.impl("quant_gemv", &quant_gemv_meta);
   m.impl("quant_dequant", &quant_dequant_meta);
+  m.impl("quant_fp8_activations", &quant_fp8_activations_meta);
 }

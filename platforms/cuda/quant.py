@@ -117,14 +117,42 @@ def quantize_rows_fp8(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor,
     return codes, scale.t().contiguous().t()
 
 
+def quantize_rows_fp8_fused(x: torch.Tensor, group: int | None, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_fp8` in one kernel (``core_C.quant_fp8_activations``, bit for bit
+    the same codes and scales), over ``rows >= len(x)`` rows: the ones past ``x`` are the zero
+    rows an alignment pads with (codes 0, scale 1e-12 / 448), so ``x`` is never copied."""
+    k = x.shape[1]
+    codes = torch.empty(rows, k, dtype=torch.uint8, device=x.device)
+    if x.stride(1) != 1 or x.stride(0) * x.element_size() % 16 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)  # the kernel reads 16-byte rows
+    if group is None:
+        scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    else:  # outer-dim-major [rows, K / group], as _scaled_mm takes blockwise scales
+        scales = torch.empty(k // group, rows, dtype=torch.float32, device=x.device).t()
+    load_ops().quant_fp8_activations(codes, scales.t() if group else scales, x, group or k)
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+def _fused_fp8_activations(x: torch.Tensor) -> bool:
+    """The fused kernel takes the row (K % 8, 16-byte rows after a copy at worst); HIP builds
+    have no e4m3 conversion (see csrc/cuda_compat.h)."""
+    return torch.version.hip is None and x.shape[1] % 8 == 0
+
+
 def fp8_scaled_mm(p: PackedQuant, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T through torch._scaled_mm; returns bfloat16 [M, N]."""
+    """x [M, K] @ W^T through torch._scaled_mm; returns bfloat16 [M, N]. The activations are
+    quantized by one fused kernel (where it runs: :func:`_fused_fp8_activations`), else by
+    :func:`quantize_rows_fp8`'s torch ops, six passes over them."""
     block = p.scale_b.shape[0] != 1
     rows = x.shape[0]
     pad = -rows % p.row_align
-    if pad:  # zero rows: their scales clamp to 1e-12 / 448 and their outputs are dropped
-        x = F.pad(x, (0, 0, 0, pad))
-    xq, scale_a = quantize_rows_fp8(x, _FP8_GROUP if block else None)
+    group = _FP8_GROUP if block else None
+    if _fused_fp8_activations(x):
+        xq, scale_a = quantize_rows_fp8_fused(x, group, rows + pad)
+    else:
+        if pad:  # zero rows: their scales clamp to 1e-12 / 448 and their outputs are dropped
+            x = F.pad(x, (0, 0, 0, pad))
+        xq, scale_a = quantize_rows_fp8(x, group)
     w = p.codes.view(torch.float8_e4m3fn).t()  # [K, N], column-major, as cuBLASLt wants
     y = torch._scaled_mm(xq, w, scale_a=scale_a, scale_b=p.scale_b, out_dtype=torch.bfloat16)
     return y[:rows] if pad else y
