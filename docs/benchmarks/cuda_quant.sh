@@ -3,7 +3,8 @@
 # torch._scaled_mm vs bf16 cuBLAS per Llama-3-8B shape), then end to end on a Llama-3-8B-shaped
 # model with random weights: FP8 weights (--quantization fp8: per-channel fp8 weights, decode
 # through the fp8 GEMV, prefill through _scaled_mm with per-token activation scales) batch-1
-# TPOT, 1,000 x 1,024/128 and 500 x 1,000/1,000; AWQ int4 (group 128) batch-1 TPOT.
+# TPOT, 1,000 x 1,024/128 and 500 x 1,000/1,000 (the last also with --kv-cache-dtype fp8); AWQ int4
+# (group 128) batch-1 TPOT.
 # From the repository root, nothing installed (about 8 minutes in all; carry .whl as for
 # cuda_e2e.sh):
 #   OUT=/tmp/out bash docs/benchmarks/cuda_quant.sh [step ...]    (default: every step)
@@ -58,7 +59,7 @@ run() { if [ -z "$SELECTED" ] || [[ " $SELECTED " == *" $1 "* ]]; then step "$@"
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv >"$RES/gpu.txt" 2>&1
 run build 300 python3 -c "from platforms.cuda.build import load_ops; load_ops()"
-run test_quant 120 python3 -m pytest -q -s -p no:cacheprovider tests/cuda/test_cuda_quant.py
+run test_quant 200 python3 -m pytest -q -rfE -s -p no:cacheprovider tests/cuda/test_cuda_quant.py
 run kernels 90 python3 -m platforms.cuda.quant_bench --rows 1 4 16 64 256 2048 \
   --output-json "$RES/kernels.json"
 run fp8_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_FP8 --input-len 128 \
@@ -69,6 +70,9 @@ run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP
   --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1024_128.json"
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
   --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1000_1000.json"
+run fp8kv_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --kv-cache-dtype fp8 \
+  --num-prompts 500 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
+  --output-json "$RES/fp8kv_1000_1000.json"
 
 tar czf "$OUT/results.tgz" -C "$OUT" res
 python3 - "$RES" <<'EOF'
@@ -82,7 +86,7 @@ for name in ("fp8_latency", "awq_latency"):
     if r:
         print(f"{name}: TPOT {r['tpot_ms_median']} ms (min {r['tpot_ms_min']}), TTFT {r['ttft_ms_median']} ms, "
               f"engine start {r['startup_s']} s")
-for name in ("fp8_1024_128", "fp8_1000_1000"):
+for name in ("fp8_1024_128", "fp8_1000_1000", "fp8kv_1000_1000"):
     r = load(name)
     if r:
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, {r['elapsed_s']} s")
