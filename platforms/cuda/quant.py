@@ -134,9 +134,9 @@ def quantize_rows_fp8_fused(x: torch.Tensor, group: int | None, rows: int) -> tu
 
 
 def _fused_fp8_activations(x: torch.Tensor) -> bool:
-    """The fused kernel takes the row (K % 8, 16-byte rows after a copy at worst); HIP builds
-    have no e4m3 conversion (see csrc/cuda_compat.h)."""
-    return torch.version.hip is None and x.shape[1] % 8 == 0
+    """The fused kernel takes the row (K % 8, 16-byte rows after a copy at worst) on a CUDA
+    device; HIP builds have no e4m3 conversion (see csrc/cuda_compat.h)."""
+    return x.is_cuda and torch.version.hip is None and x.shape[1] % 8 == 0
 
 
 def fp8_scaled_mm(p: PackedQuant, x: torch.Tensor) -> torch.Tensor:
