@@ -95,15 +95,16 @@ struct Codes<QuantCode::kFp8> {
 // (tests/cuda/test_cuda_quant.py::check), and at M = 1 the int4 path is close to the ALU
 // limit, where an extra rounding step per weight would cost.
 //
-// Each lane loads GemvUnroll<M> of its code vectors (through the read-only path) before it
+// Each lane loads GemvUnroll<C, M> of its code vectors (through the read-only path) before it
 // decodes any, so a warp keeps 32 x 16 x that many bytes in
 // flight instead of one vector per lane per trip: one at a time, the 2026-12-02 H200 run read
 // fp8 codes at 1.46 TB/s and int4 at 1.1-1.2 TB/s at M = 1, latency-bound. From 8 rows the
 // kernel is bound by its arithmetic (every weight meets M rows) and the extra registers would
-// spill, so the unroll shrinks with M.
-template <int M>
+// spill, so the unroll shrinks with M. int4 keeps one vector per trip: 32 weights per vector
+// make it ALU-bound already, and the same H200 run measured it 10-25 % slower unrolled.
+template <QuantCode C, int M>
 struct GemvUnroll {
-  static constexpr int kValue = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  static constexpr int kValue = C == QuantCode::kInt4 ? 1 : (M <= 2 ? 4 : (M <= 4 ? 2 : 1));
 };
 
 template <typename T, QuantCode C, int M>
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  constexpr int U = GemvUnroll<M>::kValue;
+  constexpr int U = GemvUnroll<C, M>::kValue;
   int v = lane;
   for (; v + (U - 1) * kWarpSize < vecs; v += U * kWarpSize) {
     uint4 cv[U];
