@@ -389,14 +389,21 @@ CORE_AVX2 Panel fill_panel_avx2(const QuantWeights& w, int64_t n0, int cols, std
   Panel p{base, reinterpret_cast<int8_t*>(base + code_bytes), nullptr, nullptr};
   p.scales = reinterpret_cast<float*>(base + code_bytes * (BITS == 8 ? 2 : 1));
   p.mins = p.scales + groups * kPanelCols;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i r[kPanelCols], t[kPanelCols];
-    for (int c = 0; c < kPanelCols; ++c) {
-      const bool real = c < cols;
-      r[c] = real ? codes_avx2<BITS>(w, n0 + c, g) : _mm256_setzero_si256();
+  // First each weight row in order (one sequential stream at a time, which the hardware
+  // prefetcher follows: a decode batch reads the weights from memory), its codes unpacked into
+  // the panel's place for them; then every group's 8 x 8 block transposed in place.
+  __m256i* panel = reinterpret_cast<__m256i*>(p.codes);
+  for (int c = 0; c < kPanelCols; ++c) {
+    const bool real = c < cols;
+    for (int64_t g = 0; g < groups; ++g) {
+      _mm256_store_si256(panel + g * kPanelCols + c, real ? codes_avx2<BITS>(w, n0 + c, g) : _mm256_setzero_si256());
       p.scales[g * kPanelCols + c] = real ? param_avx2(w.scales, w.half, (n0 + c) * groups + g) : 0.f;
       p.mins[g * kPanelCols + c] = real && BITS == 4 ? param_avx2(w.mins, w.half, (n0 + c) * groups + g) : 0.f;
     }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i r[kPanelCols], t[kPanelCols];
+    for (int c = 0; c < kPanelCols; ++c) r[c] = _mm256_load_si256(panel + g * kPanelCols + c);
     transpose8_epi32(r, t);
     __m256i* dst = reinterpret_cast<__m256i*>(p.codes) + g * kPanelCols;
     for (int j = 0; j < kPanelCols; ++j) {
