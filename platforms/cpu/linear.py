@@ -102,16 +102,17 @@ tile kernel against a float32 GEMM was measured on the AVX2 path before it had p
 faster at 1 row, level at 32-64 rows, 20-30 % slower from 128 rows (docs/benchmarks/cpu.md)."""
 
 PANEL_PATHS = ("avx2", "avx512")
-"""ISA paths whose ``quant_linear`` has the many-row panel kernel (csrc/cpu/quant_gemm.cpp). It
-beats oneDNN's float32 GEMM at every row count measured (single core, SmolLM2's shapes, int4:
-1.5-1.8x from 128 to 4,096 rows; docs/benchmarks/cpu.md), so float32 layers there take their
-codes for every step, prompts included: prompts then see the int8 activation rounding that
-decode steps and prompts of up to GROUPED_MAX_ROWS tokens always had."""
+"""ISA paths whose ``quant_linear`` has the many-row panel kernel (csrc/cpu/quant_gemm.cpp). With
+int4 codes it beats oneDNN's float32 GEMM at every row count measured (single core, SmolLM2's
+shapes: 1.5-1.8x from 128 to 4,096 rows; docs/benchmarks/cpu.md), so int4 layers there take
+their codes for every step, prompts included: prompts then see the int8 activation rounding
+that decode steps and prompts of up to GROUPED_MAX_ROWS tokens always had. With int8 codes it
+is only level with oneDNN from 128 rows (0.9-1.1x), so those keep the exact dense product."""
 
 
-def grouped_takes(rows: int) -> bool:
-    """Whether a float32 step of ``rows`` activation rows multiplies by the grouped codes."""
-    return 0 < rows and (rows <= GROUPED_MAX_ROWS or isa_in_force() in PANEL_PATHS)
+def grouped_takes(rows: int, bits: int) -> bool:
+    """Whether a float32 step of ``rows`` activation rows multiplies by ``bits``-bit codes."""
+    return 0 < rows and (rows <= GROUPED_MAX_ROWS or (bits == 4 and isa_in_force() in PANEL_PATHS))
 
 
 def group_int4(weight: torch.Tensor) -> GroupedQuant:
@@ -207,7 +208,7 @@ class QuantizedLinear(LinearMethod):
             self.prepare(layer)
         packed = layer.packed_weight
         if isinstance(packed, GroupedQuant):
-            if x.dtype == torch.float32 and grouped_takes(rows):
+            if x.dtype == torch.float32 and grouped_takes(rows, packed.bits):
                 return self._apply_grouped(x, bias, packed, rows, k)
             if is_released(layer):  # prompts: the exact weight, dequantized chunk by chunk
                 return dequantized_linear(kernels_or_none(), x, packed, bias)

@@ -2,8 +2,7 @@
 
 Reference: the dense table itself, kept by the test. Lookups must equal ``F.embedding`` over it
 bit for bit on random ids, a tied LM head must give the logits it gave before the release (its
-int8 codes at up to GROUPED_MAX_ROWS rows and, on the x86 paths, above; ``F.linear`` over the
-dense table above elsewhere), and a
+int8 codes at up to GROUPED_MAX_ROWS rows, ``F.linear`` over the dense table above), and a
 table its codes do not reproduce must stay dense.
 """
 
@@ -19,7 +18,6 @@ from core.models.layers import VocabParallelEmbedding, prepare_weights
 from platforms.cpu.kernels import kernels_or_none
 from platforms.cpu.linear import (
     GROUPED_MAX_ROWS,
-    PANEL_PATHS,
     group_int8,
     grouped_matmul,
     linear_method,
@@ -85,16 +83,5 @@ def test_tied_lm_head_over_the_released_codes_gives_the_same_logits() -> None:
         got = ops.lm_head(hidden, emb.weight)
         assert torch.equal(got, ops.lm_head(hidden, table))  # the dense table's codes (before)
         assert torch.equal(got, grouped_matmul(kernels_or_none(), hidden, group_int8(table)))
-    # Above: the codes on a path with the many-row kernel, the dense product on the others.
-    hidden = torch.randn(GROUPED_MAX_ROWS + 9, 64, generator=g)
-    kernels = kernels_or_none()
-    try:
-        for path in kernels.cpu_isas():
-            kernels.set_cpu_isa(path)
-            got = ops.lm_head(hidden, emb.weight)
-            if path in PANEL_PATHS:
-                assert torch.equal(got, grouped_matmul(kernels, hidden, group_int8(table))), path
-            else:
-                assert torch.equal(got, F.linear(hidden, table)), path
-    finally:
-        kernels.set_cpu_isa("auto")
+    hidden = torch.randn(GROUPED_MAX_ROWS + 9, 64, generator=g)  # above: the dense product
+    assert torch.equal(ops.lm_head(hidden, emb.weight), F.linear(hidden, table))

@@ -198,7 +198,7 @@ def test_float32_layers_take_grouped_codes_for_small_steps(path: str, fmt: str) 
     want = (int8_activations(x.reshape(6, 64)) @ w.double().T + b.double()).view(2, 3, 96)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
     big = torch.randn(GROUPED_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(12))
-    if path in PANEL_PATHS:  # the many-row kernel: prompts take the codes too
+    if path in PANEL_PATHS and fmt == "int4":  # the many-row kernel: prompts take int4 codes too
         want = (int8_activations(big) @ w.double().T + b.double())
         torch.testing.assert_close(layer(big).double(), want, atol=1e-4, rtol=0)
     else:
@@ -238,8 +238,9 @@ def test_dequantize_kernel_is_the_torch_formula_bit_for_bit(bits: int, scale_dty
 
 
 def test_float32_layers_with_exact_codes_drop_the_dense_weight_and_prompts_stay_exact(path: str) -> None:
-    # Prompts multiply by the codes where the path has the many-row kernel, else by the weight
-    # dequantized again through the dense GEMM: bit-equal to the dense layer.
+    # Prompts multiply by int4 codes where the path has the many-row kernel; otherwise (int8
+    # codes, other paths) by the exact weight, dequantized again for a released layer, through
+    # the dense GEMM: bit-equal to the dense layer.
     import dataclasses
 
     from core.models.layers import ColumnParallelLinear
@@ -255,15 +256,16 @@ def test_float32_layers_with_exact_codes_drop_the_dense_weight_and_prompts_stay_
 
     g = torch.Generator().manual_seed(22)
     exact, lossy = q_grid(8, 96, 128, seed=23), torch.randn(96, 128, generator=g)  # Q8_0 grid / none
+    exact4 = q_grid(4, 96, 128, seed=24)  # Q4_1 grid: the embedded model's layers
     b = torch.randn(96, generator=g)
     big = torch.randn(GROUPED_MAX_ROWS + 37, 128, generator=g)
     small = torch.randn(3, 128, generator=g)
-    for fmt, w, released in (("int8", exact, True), ("int4", lossy, False)):
+    for fmt, w, released in (("int8", exact, True), ("int4", lossy, False), ("int4", exact4, True)):
         layer = layer_for(fmt, w, b)
         decode = layer(small)  # prepares the layer on first use
         assert is_released(layer) is released and (layer.weight.numel() == 0) is released
         prompt = layer(big)
-        if path in PANEL_PATHS:
+        if path in PANEL_PATHS and fmt == "int4":
             assert torch.equal(prompt, grouped_matmul(KERNELS, big, layer.packed_weight) + b), fmt
         else:
             assert torch.equal(prompt, torch.nn.functional.linear(big, w, b)), fmt  # exact weight, same GEMM
