@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -334,6 +335,162 @@ CORE_AVX2 void tiles_avx2(int64_t m0, int64_t m1, int64_t n0, int64_t n1, Tile&&
     for (int64_t m = m0; m < m1; ++m) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, m, n);
 }
 
+// ---- many rows: panels of weight columns unpacked once, reused by every row -----------------
+// The tile kernel above unpacks a weight group for at most 4 rows and converts and scales each
+// output's 8 partial sums on its own: 4-5 vector ops per 32 multiply-adds on the ports the
+// fp32 FMAs use, so oneDNN's fp32 GEMM wins from ~128 rows. Here the codes of kPanelCols = 8
+// weight rows are unpacked once into a panel for every row of the block, transposed so that
+// one vector holds 4 consecutive codes of each of the 8 columns: vpmaddubsw of it with 4
+// activation codes broadcast (a plain load) gives 8 columns' pair sums at once, so the whole
+// group's products come from 8 vpmaddubsw and 8 16-bit adds per row and 8 columns, and one
+// conversion, scale and FMA finish the 8 outputs.
+//   int4: codes 0..15, a 16-bit lane sums 16 products <= 16 * 15 * 127 = 30,480: no overflow;
+//   int8: |code| times the activation with the code's sign (vpsignb), whose pair sums
+//         (<= 32,258) go to 32 bits (vpmaddwd) before they are added.
+
+constexpr int kPanelCols = 8;
+
+// The panel of columns [n0, n0 + cols) (cols <= kPanelCols; the rest zero, never stored).
+// For group g and k-quad j (codes 4j..4j+3 of the group): codes[(g * 8 + j) * 32 + 4c + t] is
+// column c's code 4j + t (int8: its absolute value); signs likewise the int8 codes themselves;
+// scales[g * 8 + c], mins[g * 8 + c] as floats.
+struct Panel {
+  uint8_t* codes;
+  int8_t* signs;
+  float* scales;
+  float* mins;
+};
+
+// out[j] = dword j of each of r[0..7] (an 8 x 8 transpose of 32-bit elements).
+CORE_AVX2 inline void transpose8_epi32(const __m256i r[8], __m256i out[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // columns 4h..4h+3
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+    out[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+  }
+}
+
+template <int BITS>
+CORE_AVX2 Panel fill_panel_avx2(const QuantWeights& w, int64_t n0, int cols, std::vector<uint8_t>& buf) {
+  const int64_t groups = groups_of(w.k), code_bytes = groups * kPanelCols * 32, param_bytes = groups * kPanelCols * 4;
+  const size_t need = static_cast<size_t>(code_bytes * (BITS == 8 ? 2 : 1) + 2 * param_bytes + 32);
+  if (buf.size() < need) buf.resize(need);
+  uint8_t* base = buf.data() + ((32 - reinterpret_cast<uintptr_t>(buf.data()) % 32) % 32);
+  Panel p{base, reinterpret_cast<int8_t*>(base + code_bytes), nullptr, nullptr};
+  p.scales = reinterpret_cast<float*>(base + code_bytes * (BITS == 8 ? 2 : 1));
+  p.mins = p.scales + groups * kPanelCols;
+  // First each weight row in order (one sequential stream at a time, which the hardware
+  // prefetcher follows: a decode batch reads the weights from memory), its codes unpacked into
+  // the panel's place for them; then every group's 8 x 8 block transposed in place.
+  __m256i* panel = reinterpret_cast<__m256i*>(p.codes);
+  for (int c = 0; c < kPanelCols; ++c) {
+    const bool real = c < cols;
+    for (int64_t g = 0; g < groups; ++g) {
+      _mm256_store_si256(panel + g * kPanelCols + c, real ? codes_avx2<BITS>(w, n0 + c, g) : _mm256_setzero_si256());
+      p.scales[g * kPanelCols + c] = real ? param_avx2(w.scales, w.half, (n0 + c) * groups + g) : 0.f;
+      p.mins[g * kPanelCols + c] = real && BITS == 4 ? param_avx2(w.mins, w.half, (n0 + c) * groups + g) : 0.f;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i r[kPanelCols], t[kPanelCols];
+    for (int c = 0; c < kPanelCols; ++c) r[c] = _mm256_load_si256(panel + g * kPanelCols + c);
+    transpose8_epi32(r, t);
+    __m256i* dst = reinterpret_cast<__m256i*>(p.codes) + g * kPanelCols;
+    for (int j = 0; j < kPanelCols; ++j) {
+      if constexpr (BITS == 8) {
+        _mm256_store_si256(dst + j, _mm256_abs_epi8(t[j]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs) + g * kPanelCols + j, t[j]);
+      } else {
+        _mm256_store_si256(dst + j, t[j]);
+      }
+    }
+  }
+  return p;
+}
+
+// Rows [m0, m0 + MT) x the panel's 8 columns; stores the first `cols`.
+template <int BITS, int MT>
+CORE_AVX2 void panel_rows_avx2(float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t k, const Panel& p,
+                               int64_t n0, int cols) {
+  const int64_t groups = k / kQuantGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i* wq = reinterpret_cast<const __m256i*>(p.codes) + g * kPanelCols;
+    const __m256i* sq = reinterpret_cast<const __m256i*>(p.signs) + g * kPanelCols;
+    __m256i sum[MT];  // int4: 16-bit pair sums; int8: 32-bit sums
+    for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+    for (int j = 0; j < kPanelCols; ++j) {
+      const __m256i wv = _mm256_load_si256(wq + j);
+      for (int m = 0; m < MT; ++m) {
+        // vbroadcastss from memory: a load-port uop only (a broadcast from a register would
+        // take the shuffle port the horizontal work needs).
+        const __m256i xb = _mm256_castps_si256(
+            _mm256_broadcast_ss(reinterpret_cast<const float*>(x.q + (m0 + m) * k + g * kQuantGroup + 4 * j)));
+        if constexpr (BITS == 4) {
+          sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(wv, xb));
+          // Keeps the sums in registers: left free, GCC reassociates the 8 adds into a tree
+          // after all 32 products and spills them (16 vector registers on AVX2).
+          asm("" : "+x"(sum[m]));
+        } else {
+          const __m256i p16 = _mm256_maddubs_epi16(wv, _mm256_sign_epi8(xb, _mm256_load_si256(sq + j)));
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p16, ones));
+          asm("" : "+x"(sum[m]));
+        }
+      }
+    }
+    const __m256 sc = _mm256_load_ps(p.scales + g * kPanelCols);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t row = m0 + m;
+      const __m256i dot = BITS == 4 ? _mm256_madd_epi16(sum[m], ones) : sum[m];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_broadcast_ss(x.d + row * groups + g)),
+                               acc[m]);
+      if constexpr (BITS == 4)
+        acc[m] = _mm256_fmadd_ps(_mm256_load_ps(p.mins + g * kPanelCols), _mm256_broadcast_ss(x.s + row * groups + g),
+                                 acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float* o = out + (m0 + m) * ldo + n0;
+    if (cols == kPanelCols) {
+      _mm256_storeu_ps(o, acc[m]);
+    } else {
+      alignas(32) float v[kPanelCols];
+      _mm256_store_ps(v, acc[m]);
+      for (int c = 0; c < cols; ++c) o[c] = v[c];
+    }
+  }
+}
+
+template <int BITS>
+CORE_AVX2 void gemm_int8_panels_avx2(float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
+                                     const QuantWeights& w, int64_t n0, int64_t n1) {
+  thread_local std::vector<uint8_t> buf;  // one panel per thread, reused by every call
+  for (int64_t n = n0; n < n1; n += kPanelCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kPanelCols, n1 - n));
+    const Panel p = fill_panel_avx2<BITS>(w, n, cols, buf);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) panel_rows_avx2<BITS, 4>(out, ldo, x, m, w.k, p, n, cols);
+    switch (m1 - m) {
+      case 3: panel_rows_avx2<BITS, 3>(out, ldo, x, m, w.k, p, n, cols); break;
+      case 2: panel_rows_avx2<BITS, 2>(out, ldo, x, m, w.k, p, n, cols); break;
+      case 1: panel_rows_avx2<BITS, 1>(out, ldo, x, m, w.k, p, n, cols); break;
+      default: break;
+    }
+  }
+}
+
 template <int BITS>
 CORE_AVX2 void gemm_f32_avx2(float* out, int64_t ldo, const float* x, int64_t ldx, int64_t m0, int64_t m1,
                              const QuantWeights& w, int64_t n0, int64_t n1) {
@@ -455,14 +612,22 @@ void quant_gemm_f32(Isa isa, float* out, int64_t ldo, const float* x, int64_t ld
 }
 
 void quant_gemm_int8(Isa isa, float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
-                     const QuantWeights& w, int64_t n0, int64_t n1) {
+                     const QuantWeights& w, int64_t n0, int64_t n1, Int8Kernel kernel) {
 #if defined(CORE_X86)
   if (isa == Isa::kAvx2 || isa == Isa::kAvx512) {
-    if (w.bits == 4) gemm_int8_avx2<4>(out, ldo, x, m0, m1, w, n0, n1);
-    else gemm_int8_avx2<8>(out, ldo, x, m0, m1, w, n0, n1);
+    const bool panels = kernel == Int8Kernel::kPanels || (kernel == Int8Kernel::kAuto && m1 - m0 >= (w.bits == 4 ? kPanelMinRows4 : kPanelMinRows8));
+    if (panels) {
+      if (w.bits == 4) gemm_int8_panels_avx2<4>(out, ldo, x, m0, m1, w, n0, n1);
+      else gemm_int8_panels_avx2<8>(out, ldo, x, m0, m1, w, n0, n1);
+    } else if (w.bits == 4) {
+      gemm_int8_avx2<4>(out, ldo, x, m0, m1, w, n0, n1);
+    } else {
+      gemm_int8_avx2<8>(out, ldo, x, m0, m1, w, n0, n1);
+    }
     return;
   }
 #endif
+  (void)kernel;
 #if defined(CORE_ARM)
   if (isa == Isa::kNeonDot) {
     if (w.bits == 4) gemm_int8_neon<4>(out, ldo, x, m0, m1, w, n0, n1);

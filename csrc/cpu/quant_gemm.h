@@ -74,7 +74,16 @@ void quantize_rows(Isa isa, const float* x, int64_t ldx, int64_t k, int64_t m0, 
 // out[m, n] for m in [m0, m1), n in [n0, n1); out row stride ldo.
 void quant_gemm_f32(Isa isa, float* out, int64_t ldo, const float* x, int64_t ldx, int64_t m0, int64_t m1,
                     const QuantWeights& w, int64_t n0, int64_t n1);
+// The int8 mode's two x86 kernels (quant_gemm.cpp): tiles of <= 4 rows x 2-4 weight rows for
+// a few activation rows (decode), or panels of 8 weight rows unpacked once and reused by every
+// row (prompts, decode batches). kAuto takes panels from kPanelMinRows rows: single-core time
+// on SmolLM2's shapes (docs/benchmarks/cpu.md), int4 panels 0.7-0.9x the tiles' speed at 2
+// rows, 1.2-1.3x at 4, 2.5-2.9x at 32; int8 0.8-1.0x up to 4 rows, 1.2x at 5, 1.5x at 32.
+// Other paths have one kernel.
+enum class Int8Kernel : int { kAuto = 0, kTiles = 1, kPanels = 2 };
+constexpr int64_t kPanelMinRows4 = 4, kPanelMinRows8 = 5;
+
 void quant_gemm_int8(Isa isa, float* out, int64_t ldo, const QuantActs& x, int64_t m0, int64_t m1,
-                     const QuantWeights& w, int64_t n0, int64_t n1);
+                     const QuantWeights& w, int64_t n0, int64_t n1, Int8Kernel kernel = Int8Kernel::kAuto);
 
 }  // namespace core_cpu

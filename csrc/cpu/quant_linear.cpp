@@ -1,10 +1,11 @@
 // torch op over quant_gemm.cpp: out [M, N] fp32 = x [M, K] fp32 @ W^T for int4 / int8 weights
 // in groups of 32 (platforms/cpu/linear.py packs them), on the ISA path in force (isa.h).
 //
-// Work is split into blocks of activation rows x weight rows: at one row (decode) blocks of
-// 16 weight rows, so both threads stream weights; with many rows (prompts) 64 x 64 blocks,
-// whose weight rows (<= 48 KiB) and int8 activation rows (<= 96 KiB) stay in L2 while every
-// pair of them is multiplied.
+// Work is split into blocks of activation rows x weight rows: up to 64 rows (decode) blocks
+// of 16 weight rows, so both threads stream weights and the few blocks of a small layer (576
+// outputs: 36) split evenly; with more rows (prompts) 64 x 64 blocks, whose weight rows
+// (<= 48 KiB) and int8 activation rows (<= 96 KiB) stay in L2 while every pair of them is
+// multiplied.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -64,7 +65,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0), groups = k / kQuantGroup;
-  const int64_t mb = m == 1 ? 1 : 64, nb = m == 1 ? 16 : 64;
+  const int64_t mb = m == 1 ? 1 : 64, nb = m <= 64 ? 16 : 64;
   const int64_t row_blocks = (m + mb - 1) / mb, col_blocks = (w.n + nb - 1) / nb;
   std::vector<int8_t> q;
   std::vector<float> d, s;

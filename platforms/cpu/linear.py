@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.models.layers import LinearMethod
+from platforms.cpu.isa import isa_in_force
 from platforms.cpu.kernels import kernels_or_none
 from platforms.cpu.row_buckets import bucketed_linear
 
@@ -95,10 +96,23 @@ takes integer dot products; 0 dequantizes the weights to fp32 in registers. Mode
 faster on AVX2 at every row count from 1 to 4,096 (1.1-1.8x for int4; docs/benchmarks/cpu.md)."""
 
 GROUPED_MAX_ROWS = 64
-"""Most activation rows a float32 layer multiplies through ``quant_linear``; larger steps (prompts)
-take the dense weight. Single-core CPU time on the AVX2 path against oneDNN's AVX2 float32 GEMM,
-SmolLM2 shapes (``python -m core.benchmarks.cpu_linear``): int4 2-6x faster at 1 row, level at
-32-64 rows, 20-30 % slower from 128 rows (docs/benchmarks/cpu.md)."""
+"""Most activation rows a float32 layer multiplies through ``quant_linear`` on a path without
+the many-row kernel (NEON, portable); larger steps (prompts) take the dense weight there. Their
+tile kernel against a float32 GEMM was measured on the AVX2 path before it had panels: 2-6x
+faster at 1 row, level at 32-64 rows, 20-30 % slower from 128 rows (docs/benchmarks/cpu.md)."""
+
+PANEL_PATHS = ("avx2", "avx512")
+"""ISA paths whose ``quant_linear`` has the many-row panel kernel (csrc/cpu/quant_gemm.cpp). With
+int4 codes it beats oneDNN's float32 GEMM at every row count measured (single core, SmolLM2's
+shapes: 1.5-1.8x from 128 to 4,096 rows; docs/benchmarks/cpu.md), so int4 layers there take
+their codes for every step, prompts included: prompts then see the int8 activation rounding
+that decode steps and prompts of up to GROUPED_MAX_ROWS tokens always had. With int8 codes it
+is only level with oneDNN from 128 rows (0.9-1.1x), so those keep the exact dense product."""
+
+
+def grouped_takes(rows: int, bits: int) -> bool:
+    """Whether a float32 step of ``rows`` activation rows multiplies by ``bits``-bit codes."""
+    return 0 < rows and (rows <= GROUPED_MAX_ROWS or (bits == 4 and isa_in_force() in PANEL_PATHS))
 
 
 def group_int4(weight: torch.Tensor) -> GroupedQuant:
@@ -194,7 +208,7 @@ class QuantizedLinear(LinearMethod):
             self.prepare(layer)
         packed = layer.packed_weight
         if isinstance(packed, GroupedQuant):
-            if 0 < rows <= GROUPED_MAX_ROWS and x.dtype == torch.float32:
+            if x.dtype == torch.float32 and grouped_takes(rows, packed.bits):
                 return self._apply_grouped(x, bias, packed, rows, k)
             if is_released(layer):  # prompts: the exact weight, dequantized chunk by chunk
                 return dequantized_linear(kernels_or_none(), x, packed, bias)
@@ -247,7 +261,7 @@ class QuantizedLinear(LinearMethod):
 # ---- float32 layers without their dense weight ---------------------------------------------
 # A float32 layer's codes that reproduce its dense weight bit for bit (every layer of a GGUF
 # Q4_1 / Q8_0 checkpoint) make the dense copy redundant: it goes, and steps of more than
-# GROUPED_MAX_ROWS rows (prompts) multiply by the weight dequantized again, a chunk of rows at a
+# GROUPED_MAX_ROWS rows (prompts) on a path without panels multiply by the weight dequantized again, a chunk of rows at a
 # time, through the same dense GEMM, so their results do not change by a bit. That halves the
 # embedded SmolLM2's resident weights (docs/benchmarks/cpu.md); dequantizing costs ~1 % of a
 # prompt step's GEMM time.

@@ -20,11 +20,11 @@ import torch
 from core import ops as reference
 from platforms.cpu.kernels import load_kernels
 from platforms.cpu.linear import (
-    GROUPED_MAX_ROWS,
     GroupedQuant,
     dequantized_linear,
     group_int8,
     grouped_matmul,
+    grouped_takes,
     released_codes,
 )
 
@@ -142,10 +142,10 @@ class CpuOps:
         released = released_codes(weight)
         if released is not None:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            if 0 < flat.shape[0] <= GROUPED_MAX_ROWS:
+            if grouped_takes(flat.shape[0], released.bits):
                 return grouped_matmul(self._kernels, flat if flat.stride(-1) == 1 else flat.contiguous(), released)
             return dequantized_linear(self._kernels, flat, released, None)
-        if hidden.dtype == torch.float32 and self._head.quantized and hidden.shape[0] <= GROUPED_MAX_ROWS:
+        if hidden.dtype == torch.float32 and self._head.quantized and grouped_takes(hidden.shape[0], 8):
             packed = self._exact_int8(weight)
             if packed is not None and hidden.dim() == 2 and hidden.stride(-1) == 1:
                 return grouped_matmul(self._kernels, hidden, packed)

@@ -72,7 +72,7 @@ std::vector<double> act_values(const std::vector<float>& x, int64_t m, int64_t k
 }
 
 // Largest |got - want| relative to the largest |want| of the case.
-double run_case(Isa isa, ActMode mode, const Case& c, std::mt19937& rng) {
+double run_case(Isa isa, ActMode mode, const Case& c, std::mt19937& rng, Int8Kernel kernel = Int8Kernel::kAuto) {
   const Packed p = random_weights(rng, c.bits, c.n, c.k);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> x(c.m * c.k);
@@ -91,9 +91,9 @@ double run_case(Isa isa, ActMode mode, const Case& c, std::mt19937& rng) {
     const QuantActs a{q.data(), d.data(), s.data()};
     // Two column ranges and two row ranges, as the torch op splits work across threads.
     const int64_t mh = c.m / 2, nh = c.n / 2;
-    quant_gemm_int8(isa, out.data(), c.n, a, 0, mh, w, 0, c.n);
-    quant_gemm_int8(isa, out.data(), c.n, a, mh, c.m, w, 0, nh);
-    quant_gemm_int8(isa, out.data(), c.n, a, mh, c.m, w, nh, c.n);
+    quant_gemm_int8(isa, out.data(), c.n, a, 0, mh, w, 0, c.n, kernel);
+    quant_gemm_int8(isa, out.data(), c.n, a, mh, c.m, w, 0, nh, kernel);
+    quant_gemm_int8(isa, out.data(), c.n, a, mh, c.m, w, nh, c.n, kernel);
   } else {
     quant_gemm_f32(isa, out.data(), c.n, x.data(), c.k, 0, c.m, w, 0, c.n);
   }
@@ -113,8 +113,12 @@ double run_case(Isa isa, ActMode mode, const Case& c, std::mt19937& rng) {
 }  // namespace
 
 int main() {
+  // Row counts around the panel kernel's 4-row blocks (and its 4 / 5-row switch-over), column
+  // counts around its 8-column panels (remainders 1..7), as the ranges below split them too.
   const Case cases[] = {{4, 1, 64, 576}, {4, 5, 37, 96}, {4, 17, 16, 1536}, {4, 4, 8, 32},
-                        {8, 1, 64, 576}, {8, 6, 13, 192}, {8, 9, 40, 64}};
+                        {4, 8, 15, 64}, {4, 11, 26, 128}, {4, 46, 73, 576}, {4, 3, 9, 32},
+                        {8, 1, 64, 576}, {8, 6, 13, 192}, {8, 9, 40, 64}, {8, 10, 23, 96},
+                        {8, 22, 67, 576}, {8, 14, 3, 32}};
   std::mt19937 rng(1234);
   bool ok = true;
   for (Isa isa : runnable_isas()) {
@@ -125,6 +129,15 @@ int main() {
       ok = ok && pass;
       std::printf("%s %s %s: max relative error %.2e\n", pass ? "PASS" : "FAIL", isa_name(isa),
                   mode == ActMode::kF32 ? "f32" : "int8", worst);
+    }
+    // Each int8 kernel forced on every case (x86 has two; other paths ignore the choice).
+    for (Int8Kernel kernel : {Int8Kernel::kTiles, Int8Kernel::kPanels}) {
+      double worst = 0.0;
+      for (const Case& c : cases) worst = std::fmax(worst, run_case(isa, ActMode::kInt8, c, rng, kernel));
+      const bool pass = worst < 2e-5;
+      ok = ok && pass;
+      std::printf("%s %s int8 %s: max relative error %.2e\n", pass ? "PASS" : "FAIL", isa_name(isa),
+                  kernel == Int8Kernel::kTiles ? "tiles" : "panels", worst);
     }
   }
   return ok ? 0 : 1;

@@ -40,6 +40,16 @@ CHATS = [
     [{"role": "user", "content": "What is 17 times 23?"}],
     [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
 ]
+SYSTEM = (
+    "You are a patient assistant for a public library. Answer in plain English, keep every answer "
+    "short and exact, say so when you do not know something, never invent titles, authors or "
+    "opening hours, and offer to look things up in the catalogue when a question is about a book. "
+    "The library opens at nine in the morning and closes at six in the evening on weekdays; on "
+    "Saturdays it closes at one. Members may borrow up to twelve items for three weeks each."
+)
+LONG_CHATS = [[{"role": "system", "content": SYSTEM}, *chat] for chat in CHATS]
+"""The same questions behind a system prompt: every prompt is over 64 tokens, so prompts take the
+many-row kernels (more rows than ``GROUPED_MAX_ROWS``) rather than the decode-size ones."""
 N_TOKENS = 48
 OPTIONS = {
     # name: (engine arguments, min top-1 agreement, max |dlogit|, max mean |dlogit|)
@@ -77,26 +87,30 @@ def teacher_forced_logits(llm: LLM, prompt: list[int], continuation: list[int]) 
     return torch.stack(rows)
 
 
-def greedy(llm: LLM) -> list[tuple[list[int], list[int]]]:
+def greedy(llm: LLM, chats) -> list[tuple[list[int], list[int]]]:
     params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
-    outs = llm.chat(CHATS, params, use_tqdm=False)
+    outs = llm.chat(chats, params, use_tqdm=False)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def reference():
     llm = LLM(dtype="float32", weight_format="dense", **ENGINE)
-    runs = greedy(llm)
-    logits = [teacher_forced_logits(llm, p, c) for p, c in runs]
+    out = {}
+    for key, chats in (("short", CHATS), ("long", LONG_CHATS)):
+        runs = greedy(llm, chats)
+        out[key] = runs, [teacher_forced_logits(llm, p, c) for p, c in runs]
     llm.engine.shutdown()
-    return runs, logits
+    assert min(len(p) for p, _ in out["long"][0]) > 64  # the long prompts are long
+    return out
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("chats", ["short", "long"])
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_option_tracks_the_float32_reference(reference, name: str) -> None:
+def test_option_tracks_the_float32_reference(reference, name: str, chats: str) -> None:
     args, min_agree, max_err, max_mean = OPTIONS[name]
-    runs, ref_logits = reference
+    runs, ref_logits = reference[chats]
     llm = LLM(**args, **ENGINE)
     agree = steps = 0
     worst = total = 0.0
@@ -110,7 +124,7 @@ def test_option_tracks_the_float32_reference(reference, name: str) -> None:
         total += float(diff.mean()) * len(ref)
     llm.engine.shutdown()
     agreement, mean = agree / steps, total / steps
-    summary = f"{name}: agreement {agreement:.4f}, max |dlogit| {worst:.3f}, mean |dlogit| {mean:.4f}"
+    summary = f"{name}, {chats} prompts: agreement {agreement:.4f}, max |dlogit| {worst:.3f}, mean |dlogit| {mean:.4f}"
     print(summary)
     assert agreement >= min_agree, summary
     assert worst <= max_err, summary

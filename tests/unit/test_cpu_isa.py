@@ -17,7 +17,7 @@ import torch
 
 from platforms.cpu import isa as cpu_isa
 from platforms.cpu.kernels import load_kernels
-from platforms.cpu.linear import GroupedQuant, group_int4, group_int8, grouped_matmul
+from platforms.cpu.linear import PANEL_PATHS, GroupedQuant, group_int4, group_int8, grouped_matmul
 from platforms.cpu.ops import CpuOps, HeadPolicy
 from tests.unit import test_cpu_kernels as kernel_cases
 
@@ -61,7 +61,10 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("mode", [0, 1])
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 40, 64), (7, 13, 1536), (70, 130, 96)])
+# Rows and columns around the x86 kernels' blocks: 4-row tiles and panels (and the switch
+# between them at 4 / 5 rows), 8-column panels with every remainder, 64 x 64 thread blocks.
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 576), (3, 40, 64), (7, 13, 1536), (70, 130, 96), (4, 8, 64),
+                                      (5, 17, 96), (33, 71, 160), (130, 9, 64)])
 def test_quant_linear_matches_float64(path: str, bits: int, mode: int, rows: int, n: int, k: int,
                                       scale_dtype) -> None:
     packed, dense = random_codes(bits, n, k, seed=rows * 1000 + n + bits, scale_dtype=scale_dtype)
@@ -195,7 +198,11 @@ def test_float32_layers_take_grouped_codes_for_small_steps(path: str, fmt: str) 
     want = (int8_activations(x.reshape(6, 64)) @ w.double().T + b.double()).view(2, 3, 96)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
     big = torch.randn(GROUPED_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(12))
-    assert torch.equal(layer(big), torch.nn.functional.linear(big, w, b))  # dense weight, bit-equal
+    if path in PANEL_PATHS and fmt == "int4":  # the many-row kernel: prompts take int4 codes too
+        want = (int8_activations(big) @ w.double().T + b.double())
+        torch.testing.assert_close(layer(big).double(), want, atol=1e-4, rtol=0)
+    else:
+        assert torch.equal(layer(big), torch.nn.functional.linear(big, w, b))  # dense weight, bit-equal
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -230,7 +237,10 @@ def test_dequantize_kernel_is_the_torch_formula_bit_for_bit(bits: int, scale_dty
         KERNELS.quant_dequantize(torch.empty(69, 96), packed.codes, packed.scales, packed.mins, bits)
 
 
-def test_float32_layers_with_exact_codes_drop_the_dense_weight_and_prompts_stay_bit_equal() -> None:
+def test_float32_layers_with_exact_codes_drop_the_dense_weight_and_prompts_stay_exact(path: str) -> None:
+    # Prompts multiply by int4 codes where the path has the many-row kernel; otherwise (int8
+    # codes, other paths) by the exact weight, dequantized again for a released layer, through
+    # the dense GEMM: bit-equal to the dense layer.
     import dataclasses
 
     from core.models.layers import ColumnParallelLinear
@@ -246,16 +256,21 @@ def test_float32_layers_with_exact_codes_drop_the_dense_weight_and_prompts_stay_
 
     g = torch.Generator().manual_seed(22)
     exact, lossy = q_grid(8, 96, 128, seed=23), torch.randn(96, 128, generator=g)  # Q8_0 grid / none
+    exact4 = q_grid(4, 96, 128, seed=24)  # Q4_1 grid: the embedded model's layers
     b = torch.randn(96, generator=g)
     big = torch.randn(GROUPED_MAX_ROWS + 37, 128, generator=g)
     small = torch.randn(3, 128, generator=g)
-    for fmt, w, released in (("int8", exact, True), ("int4", lossy, False)):
+    for fmt, w, released in (("int8", exact, True), ("int4", lossy, False), ("int4", exact4, True)):
         layer = layer_for(fmt, w, b)
         decode = layer(small)  # prepares the layer on first use
         assert is_released(layer) is released and (layer.weight.numel() == 0) is released
-        assert torch.equal(layer(big), torch.nn.functional.linear(big, w, b)), fmt  # exact weight, same GEMM
+        prompt = layer(big)
+        if path in PANEL_PATHS and fmt == "int4":
+            assert torch.equal(prompt, grouped_matmul(KERNELS, big, layer.packed_weight) + b), fmt
+        else:
+            assert torch.equal(prompt, torch.nn.functional.linear(big, w, b)), fmt  # exact weight, same GEMM
         layer.load_weight("bias", b)  # resets packed_weight: the codes come back, not a repack
-        assert torch.equal(layer(small), decode) and torch.equal(layer(big), torch.nn.functional.linear(big, w, b))
+        assert torch.equal(layer(small), decode) and torch.equal(layer(big), prompt)
     released_layer = layer_for("int8", exact, b)
     released_layer(small)
     with pytest.raises(ValueError, match="the model expects"):  # a released layer takes no new weight
