@@ -90,6 +90,14 @@ __device__ __forceinline__ int warp_shfl(int v, int src_lane) {
 #endif
 }
 
+__device__ __forceinline__ float warp_shfl(float v, int src_lane) {
+#ifdef USE_ROCM
+  return __shfl(v, src_lane, kWarpSize);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane, kWarpSize);
+#endif
+}
+
 // True on every lane when `pred` holds on any lane.
 __device__ __forceinline__ bool warp_any(bool pred) {
 #ifdef USE_ROCM
@@ -163,12 +171,61 @@ __device__ __forceinline__ float2 fp8x2_e4m3_bits_to_float2(uint16_t bits) {
   return half2_bits_to_float2(w);
 }
 
+// Two e4m3 codes (the low byte is the first) -> their fp16 pair (low half first), exactly:
+// every e4m3 value, subnormals included, is an fp16 value. One cvt per pair on sm_89+.
+__device__ __forceinline__ uint32_t fp8x2_e4m3_bits_to_half2_bits(uint32_t bits) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<uint16_t>(bits), __NV_E4M3);
+  uint32_t w;
+  __builtin_memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
 // float -> e4m3 code, rounded to nearest even; beyond +-448 (and +-inf) saturates to +-448,
 // NaN stays NaN: the result of torch's clamp(-448, 448).to(float8_e4m3fn).
 __device__ __forceinline__ uint8_t float_to_fp8_e4m3_bits(float x) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
 }
 #endif
+
+// ---- fp16 tensor-core tiles (NVIDIA sm_80+) ---------------------------------------------
+// Two floats -> their fp16 pair (low half first), rounded to nearest even.
+__device__ __forceinline__ uint32_t float2_to_half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  uint32_t w;
+  static_assert(sizeof(h) == sizeof(w), "__half2 must be 32 bits");
+  __builtin_memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
+// Bytes of the pair (a, b) picked by the four selector nibbles (0-3: a's bytes, 4-7: b's),
+// the lowest nibble giving the result's lowest byte.
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+  return __byte_perm(a, b, selector);
+}
+
+// c += A (16 x 16, fp16, row-major) x B (16 x 8, fp16, column-major), fp32 accumulation: one
+// warp-wide mma.sync m16n8k16. Fragments (g = lane / 4, t = lane % 4): a[0] = A[g][2t, 2t+1],
+// a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
+// b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c = C[g][2t, 2t+1], C[g+8][2t, 2t+1].
+// Only kernels that the host launches on sm_80+ call it (CORE_HAS_MMA_F16; elsewhere it traps).
+#if !defined(USE_ROCM) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#define CORE_HAS_MMA_F16 1
+#else
+#define CORE_HAS_MMA_F16 0
+#endif
+
+__device__ __forceinline__ void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  (void)c, (void)a, (void)b;
+  __trap();
+#endif
+}
 
 // ---- asynchronous global -> shared copies ------------------------------------------------
 // On NVIDIA sm_80+ these are cp.async copies of 16 bytes that bypass L1 and registers,

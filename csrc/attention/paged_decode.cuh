@@ -26,7 +26,9 @@
 // except over an FP8 cache (CT = Fp8E4m3, 16 codes per chunk): there the host folds the key
 // scale into `scale` and the kernel multiplies the normalised output by `v_scale`, so the
 // inner loops only widen codes. An fp8 cache takes tiles of up to 4 query heads only: an
-// 8-head tile over 16-element chunks would hold twice the q and accumulator registers.
+// 8-head tile over 16-element chunks would hold twice the q and accumulator registers. (Head
+// size 128 with fp16/bf16 queries over an fp8 cache runs on tensor cores instead, on sm_80+:
+// paged_decode_fp8_mma.cuh.)
 #pragma once
 
 #include "../cuda_compat.h"

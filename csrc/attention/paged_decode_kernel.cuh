@@ -4,6 +4,44 @@
 
 namespace core_kernels {
 
+// Combines the W warp states that merge_warps_and_store (or the fp8 tensor-core kernel) left
+// in shared memory -- red = acc [W][kGroup][D], then max [W][kGroup], then sum [W][kGroup] --
+// and writes either the final output (v1) or this partition's partial result (v2).
+template <typename QT, int W, int kGroup, int D, int kThreads>
+__device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* red, int seq, int qh0,
+                                             int n_heads, int part) {
+  const float* red_acc = red;
+  const float* red_max = red + W * kGroup * D;
+  const float* red_sum = red_max + W * kGroup;
+  for (int idx = threadIdx.x; idx < n_heads * D; idx += kThreads) {
+    const int g = idx / D;
+    const int d = idx % D;
+    float m = kNegBig;
+#pragma unroll
+    for (int w = 0; w < W; ++w) m = fmaxf(m, red_max[w * kGroup + g]);
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float f = fast_exp2(red_max[w * kGroup + g] - m);
+      l = fmaf(red_sum[w * kGroup + g], f, l);
+      o = fmaf(red_acc[(w * kGroup + g) * D + d], f, o);
+    }
+    // l == 0: no token attended (empty range). v_scale: the FP8 cache's value scale, else 1.
+    const float out = l > 0.f ? o / l * a.v_scale : 0.f;
+    if (a.partition == 0) {
+      auto* dst = static_cast<typename QT::Storage*>(a.out);
+      dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = QT::from_float(out);
+    } else {
+      const int64_t slot = (int64_t(seq) * a.num_q_heads + qh0 + g) * a.max_parts + part;
+      a.part_out[slot * D + d] = out;
+      if (d == 0) {
+        a.part_max[slot] = m;
+        a.part_sum[slot] = l;
+      }
+    }
+  }
+}
+
 // After every warp's lanes are merged: combines the kWarps warp states through shared memory
 // and writes either the final output (v1) or this partition's partial result (v2).
 template <typename Sh, typename QT, int kGroup>
@@ -35,33 +73,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < n_heads * D; idx += Sh::kThreads) {
-    const int g = idx / D;
-    const int d = idx % D;
-    float m = kNegBig;
-#pragma unroll
-    for (int w = 0; w < W; ++w) m = fmaxf(m, red_max[w * kGroup + g]);
-    float l = 0.f, o = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float f = fast_exp2(red_max[w * kGroup + g] - m);
-      l = fmaf(red_sum[w * kGroup + g], f, l);
-      o = fmaf(red_acc[(w * kGroup + g) * D + d], f, o);
-    }
-    // l == 0: no token attended (empty range). v_scale: the FP8 cache's value scale, else 1.
-    const float out = l > 0.f ? o / l * a.v_scale : 0.f;
-    if (a.partition == 0) {
-      auto* dst = static_cast<typename QT::Storage*>(a.out);
-      dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = QT::from_float(out);
-    } else {
-      const int64_t slot = (int64_t(seq) * a.num_q_heads + qh0 + g) * a.max_parts + part;
-      a.part_out[slot * D + d] = out;
-      if (d == 0) {
-        a.part_max[slot] = m;
-        a.part_sum[slot] = l;
-      }
-    }
-  }
+  store_merged<QT, W, kGroup, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part);
 }
 
 template <typename QT, typename CT, int kHead, int kGroup>

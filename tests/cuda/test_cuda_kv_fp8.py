@@ -9,9 +9,11 @@
 * the whole backend (write, decode, fresh prompts and chunks over context) matches the CPU
   platform's torch backend over the same fp8 cache.
 
+Head size 128 with fp16/bf16 queries takes the tensor-core kernel (csrc/attention/
+paged_decode_fp8_mma.cuh) on sm_80+, every other case the CUDA-core one; both are covered.
+
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda_kv_fp8.py``
-(the first test JIT-builds csrc/ unless the prebuilt extension is installed). Not yet run on
-an H200 when this file was written.
+(the first test JIT-builds csrc/ unless the prebuilt extension is installed).
 """
 
 from __future__ import annotations
@@ -78,14 +80,22 @@ def test_reshape_and_cache_writes_the_reference_codes(ops, dtype, head, misalign
     assert int((got == NAN_CODE).sum()) == got.numel() - int(real.sum()) * 2 * hkv * head
 
 
-def run_fp8_decode(ops, dtype, head, bs, group, partition, lens=LENS, seed=0, window=None, cap=None):
+def run_fp8_decode(ops, dtype, head, bs, group, partition, lens=LENS, seed=0, window=None, cap=None,
+                   poison_tail=False):
+    """poison_tail: the unused rows of each sequence's last block hold NaN codes (an unwritten
+    cache may), which must not reach the output."""
     gen = torch.Generator().manual_seed(seed)
     hkv, hq = 2, 2 * group
     need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + 5
     raw = random_codes((num_blocks, 2, hkv, bs, head), gen)
-    cache = raw.cuda().view(FP8)
     pool = torch.randperm(num_blocks - 1, generator=gen)[: sum(need)] + 1
+    if poison_tail:
+        at = 0
+        for n, k in zip(lens, need):
+            raw[pool[at + k - 1], :, :, n - (k - 1) * bs :, :] = NAN_CODE
+            at += k
+    cache = raw.cuda().view(FP8)
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     k_scale, v_scale = 2.0 ** -8, 0.01
     keys, values, used = [], [], 0
@@ -124,6 +134,21 @@ def test_fp8_decode_window_and_soft_cap(ops, window, cap):
     for partition in (0, 64):
         out, ref = run_fp8_decode(ops, torch.float32, 128, 16, 4, partition, window=window, cap=cap, seed=3)
         assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,cap", [(None, None), (100, None), (None, 30.0), (37, 20.0)])
+@pytest.mark.parametrize("group", [4, 8, 12])
+def test_fp8_tensor_core_decode_edges(ops, dtype, window, cap, group):
+    """Head 128 with 16-bit queries runs the tensor-core kernel (csrc/attention/
+    paged_decode_fp8_mma.cuh, on sm_80+): windows and soft caps, groups beyond one 8-head tile,
+    and NaN codes in the rows past each sequence's end (they must be zeroed, not multiplied)."""
+    for partition in (0, 32, 512):
+        out, ref = run_fp8_decode(ops, dtype, 128, 16, group, partition, window=window, cap=cap, seed=5,
+                                  poison_tail=True)
+        assert torch.isfinite(out).all(), f"NaN output (partition {partition})"
+        err = rel_error(out, ref)
+        assert err < TOLERANCE[dtype], f"partition {partition}: relative error {err:.2e}"
 
 
 def test_fp8_scales_change_the_output(ops):
