@@ -3,7 +3,8 @@
 # torch._scaled_mm vs bf16 cuBLAS per Llama-3-8B shape), then end to end on a Llama-3-8B-shaped
 # model with random weights: FP8 weights (--quantization fp8: per-channel fp8 weights, decode
 # through the fp8 GEMV, prefill through _scaled_mm with per-token activation scales) batch-1
-# TPOT, 1,000 x 1,024/128 and 500 x 1,000/1,000 (the last also with --kv-cache-dtype fp8); AWQ int4
+# TPOT, 1,000 x 1,024/128 and 500 x 1,000/1,000 (the last also with --kv-cache-dtype fp8 and
+# --max-num-seqs 512: the fp8 cache holds all 500 sequences at once); AWQ int4
 # (group 128) batch-1 TPOT.
 # From the repository root, nothing installed (about 8 minutes in all; carry .whl as for
 # cuda_e2e.sh):
@@ -71,7 +72,7 @@ run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
   --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1000_1000.json"
 run fp8kv_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --kv-cache-dtype fp8 \
-  --num-prompts 500 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
+  --max-num-seqs 512 --num-prompts 500 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
   --output-json "$RES/fp8kv_1000_1000.json"
 
 tar czf "$OUT/results.tgz" -C "$OUT" res
