@@ -16,6 +16,7 @@ streaming); offline (``--offline``), they come from the engine's RequestMetrics.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import platform as host
 import random
@@ -32,6 +33,7 @@ from core.benchmarks.report import (
     write_json,
 )
 from core.engine_args import EngineArgs
+from core.entrypoints.heap import frozen_heap
 from core.progress import bar, starting
 from core.sampling_params import SamplingParams
 
@@ -43,6 +45,8 @@ class RequestResult:
     e2e: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    sent_s: float = 0.0
+    """When the request went out, in seconds from the run's start (offline: its arrival)."""
     error: str = ""
 
     @property
@@ -73,6 +77,22 @@ def latency_series(results: list[RequestResult]) -> dict[str, list[float]]:
             "e2e_ms": [r.e2e * 1e3 for r in ok]}
 
 
+def per_request(results: list[RequestResult]) -> list[dict]:
+    """One record per request, in prompt order: when it was sent (s from the run's start),
+    TTFT, TPOT and end-to-end in ms, tokens out, the error of a failed one."""
+    out = []
+    for r in results:
+        rec = {"sent_s": round(r.sent_s, 4), "ok": r.ok}
+        if r.ok:
+            tpot = r.tpot
+            rec.update(ttft_ms=round(r.ttft * 1e3, 2), tpot_ms=None if tpot is None else round(tpot * 1e3, 3),
+                       e2e_ms=round(r.e2e * 1e3, 2), output_tokens=r.output_tokens)
+        else:
+            rec["error"] = r.error
+        out.append(rec)
+    return out
+
+
 def summarize(results: list[RequestResult], elapsed: float) -> dict:
     ok = [r for r in results if r.ok]
     out = {
@@ -95,39 +115,70 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict:
 
 
 # ---- online ---------------------------------------------------------------------------------
-async def _one(client, model: str, prompt: list[int], ns, max_tokens: int | None = None) -> RequestResult:
+# The client is plain HTTP and json.loads, not the openai package: its request building walks
+# every prompt id (~9 ms for 512 ids) and its pydantic chunk parsing runs on the same event loop
+# as every other stream's clock, which inflated TTFT and TPOT under load.
+async def _one(client, model: str, prompt: list[int], ns, max_tokens: int | None = None, t0: float = 0.0) -> RequestResult:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens or ns.output_len,
+                       "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True},
+                       "ignore_eos": True}).encode()
     start = time.perf_counter()
     ttft, usage = None, None
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens or ns.output_len, temperature=ns.temperature, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if ttft is None and chunk.choices and chunk.choices[0].text:
-                ttft = time.perf_counter() - start
-            if chunk.usage is not None:
-                usage = chunk.usage
+        async with asyncio.timeout(ns.timeout), client.stream("POST", "/v1/completions", content=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return RequestResult(False, sent_s=start - t0, error=f"HTTP {resp.status_code}: {text}"[:300])
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return RequestResult(False, sent_s=start - t0, error=f"error in the stream: {chunk['error']}"[:300])
+                choices = chunk.get("choices")
+                if ttft is None and choices and choices[0].get("text"):
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except TimeoutError:
+        return RequestResult(False, sent_s=start - t0, error=f"no complete answer within --timeout {ns.timeout} s")
     except Exception as e:  # a failed request is counted, not fatal
-        return RequestResult(False, error=f"{type(e).__name__}: {e}"[:300])
+        return RequestResult(False, sent_s=start - t0, error=f"{type(e).__name__}: {e}"[:300])
     e2e = time.perf_counter() - start
     if usage is None:
-        return RequestResult(False, error="no usage chunk in the stream")
-    return RequestResult(True, ttft if ttft is not None else e2e, e2e, usage.prompt_tokens, usage.completion_tokens)
+        return RequestResult(False, sent_s=start - t0, error="no usage chunk in the stream")
+    return RequestResult(True, ttft if ttft is not None else e2e, e2e, usage["prompt_tokens"],
+                         usage["completion_tokens"], sent_s=start - t0)
+
+
+async def _served_model(client, ns) -> str:
+    import httpx2
+
+    try:
+        resp = await client.get("/v1/models")
+    except httpx2.TransportError:
+        raise ValueError(f"no server answers at {ns.base_url}; start one with `core serve` or point "
+                         f"--base-url at it (or run the same load in-process with --offline)") from None
+    if resp.status_code != 200:
+        raise ValueError(f"GET {ns.base_url}/v1/models answered HTTP {resp.status_code}: {resp.text[:200]}")
+    return ns.served_model or resp.json()["data"][0]["id"]
 
 
 async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tuple[list[RequestResult], float, str]:
-    import logging
+    import httpx2
 
-    import openai
-
-    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    async with openai.AsyncOpenAI(base_url=ns.base_url.rstrip("/") + "/v1", api_key=ns.api_key or "none",
-                                  max_retries=0, timeout=ns.timeout) as client:
-        try:
-            model = ns.served_model or (await client.models.list()).data[0].id
-        except openai.APIConnectionError:
-            raise ValueError(f"no server answers at {ns.base_url}; start one with `core serve` or point "
-                             f"--base-url at it (or run the same load in-process with --offline)") from None
+    headers = {"Content-Type": "application/json"}
+    if ns.api_key:
+        headers["Authorization"] = f"Bearer {ns.api_key}"
+    # one connection per request in flight: a pool smaller than the load would queue requests
+    # inside the client, where the server cannot see them
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=ns.max_concurrency or len(prompts))
+    async with httpx2.AsyncClient(base_url=ns.base_url.rstrip("/"), headers=headers, limits=limits,
+                                  timeout=ns.timeout, trust_env=False) as client:
+        model = await _served_model(client, ns)
         # first-use work (allocator growth, kernel warm-up) should not land in the first request's TTFT
         warm = await _one(client, model, prompts[0], ns, max_tokens=2)
         if not warm.ok:
@@ -138,7 +189,7 @@ async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tu
         async def launch(prompt: list[int], at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             async with limit:
-                result = await _one(client, model, prompt, ns)
+                result = await _one(client, model, prompt, ns, t0=t0)
             done.update(1)
             return result
 
@@ -192,7 +243,7 @@ def _run_offline(engine, ns, prompts: list[list[int]], arrivals: list[float]) ->
                 m, comp = out.metrics, out.outputs[0]
                 results[out.request_id] = RequestResult(
                     True, m.first_token_time - m.arrival_time, m.finished_time - m.arrival_time,
-                    len(out.prompt_token_ids), len(comp.token_ids))
+                    len(out.prompt_token_ids), len(comp.token_ids), sent_s=m.arrival_time - t0)
     elapsed = time.monotonic() - t0
     done.close()
     return [results[f"bench-{i}"] for i in range(len(prompts))], elapsed, engine.config.model.model
@@ -207,11 +258,14 @@ def run_serve_bench(ns) -> int:
             _warm_up_offline(engine, make_workload(ns, math.inf)[0][0], ns)
         for rate in ns.request_rate:
             prompts, arrivals = make_workload(ns, rate)
-            if engine is not None:
-                results, elapsed, model = _run_offline(engine, ns, prompts, arrivals)
-            else:
-                results, elapsed, model = asyncio.run(_run_online(ns, prompts, arrivals))
+            with frozen_heap():  # no full collection of this process inside the timed run
+                if engine is not None:
+                    results, elapsed, model = _run_offline(engine, ns, prompts, arrivals)
+                else:
+                    results, elapsed, model = asyncio.run(_run_online(ns, prompts, arrivals))
             reports.append(_report(ns, rate, model, summarize(results, elapsed)))
+            if ns.save_detailed:
+                reports[-1]["requests"] = per_request(results)
             all_results.append(results)
             _print(reports[-1])
     finally:
@@ -264,6 +318,9 @@ def add_serve_bench_args(p) -> None:
     p.add_argument("--token-range", type=int, nargs=2, default=(100, 5000), metavar=("LO", "HI"),
                    help="prompt token ids are drawn from [LO, HI)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (online)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request may take from send to its last chunk (online)")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="add every request's send time, TTFT, TPOT and latency to the JSON (\"requests\")")
     add_report_args(p)
     EngineArgs.add_cli_args(p)

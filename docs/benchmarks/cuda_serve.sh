@@ -20,11 +20,13 @@ until healthy; do
   sleep 0.5
 done
 echo "server ready after $(($(date +%s) - t0)) s"
-bench() {  # bench NAME RATE N SEED
+bench() {  # bench NAME RATE N SEED; every request's record in the JSON, the server's metrics after
   python3 -m core.entrypoints.cli bench serve --base-url "$URL" --num-prompts "$3" \
-    --input-len 512 --output-len 128 --request-rate "$2" --seed "$4" \
+    --input-len 512 --output-len 128 --request-rate "$2" --seed "$4" --save-detailed \
     --output-json "$RES/$1.json" >"$RES/$1.log" 2>&1
   echo "$1 rc=$?"
+  python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
+    "$URL/metrics" >"$RES/$1.metrics" 2>&1
 }
 bench serve_warm inf 32 1      # warm-up: graphs, allocator; not reported
 bench serve_r4 4 120 2

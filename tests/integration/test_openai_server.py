@@ -468,7 +468,7 @@ def test_bench_serve_online_and_offline(server, model_dir, tmp_path):
     from core.entrypoints.cli import main
 
     common = ["bench", "serve", "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
-              "--token-range", "3", "500", "--seed", "3", "--request-rate", "20"]
+              "--token-range", "3", "500", "--seed", "3", "--request-rate", "20", "--save-detailed"]
     assert main([*common, "--base-url", server.url, "--output-json", str(tmp_path / "on.json")]) == 0
     assert main([*common, "--offline", "--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN),
                  "--kv-cache-memory", "32MiB", "--platform", "cpu", "--output-json", str(tmp_path / "off.json")]) == 0
@@ -477,6 +477,24 @@ def test_bench_serve_online_and_offline(server, model_dir, tmp_path):
         assert (r["completed"], r["failed"]) == (6, 0)
         assert r["output_tokens_per_s"] == pytest.approx(6 * 8 / r["elapsed_s"], rel=0.01)
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        reqs = r["requests"]  # --save-detailed: one record per prompt, the summary's own numbers
+        assert len(reqs) == 6 and all(q["ok"] and q["output_tokens"] == 8 for q in reqs)
+        assert all(0 < q["ttft_ms"] <= q["e2e_ms"] and 0 <= q["sent_s"] <= r["elapsed_s"] for q in reqs)
+        assert max(q["ttft_ms"] for q in reqs) == pytest.approx(r["ttft_ms"]["p99"], rel=0.05, abs=1.0)
+
+
+def test_bench_serve_reports_the_servers_refusal(server, tmp_path, capsys):
+    """A prompt the server refuses (longer than its max_model_len) stops the benchmark at the
+    warm-up request with the server's own message, instead of a run of failures."""
+    from core.entrypoints.cli import main
+
+    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "2", "--input-len",
+               str(MAX_MODEL_LEN + 10), "--output-len", "4", "--token-range", "3", "500",
+               "--output-json", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "warm-up request" in err and "HTTP 400" in err and str(MAX_MODEL_LEN + 10) in err, err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_schemathesis_finds_no_5xx(server, tmp_path):
