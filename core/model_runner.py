@@ -88,6 +88,8 @@ class ModelRunner:
         self._sites: list[AttentionSite] = []
         self._kv_format = KVCacheFormat()  # set by load_model (--kv-cache-dtype, KV scales)
         self.graphs: DecodeGraphRunner | None = None
+        self.graph_capture_s = 0.0
+        """Seconds :meth:`allocate_kv_cache` spent capturing decode graphs."""
         caps = self.platform.capabilities
         # Page-locked staging only pays where the device has memory of its own.
         self.pin_host = Capability.PINNED_HOST_MEMORY in caps and Capability.DEVICE_MEMORY in caps
@@ -166,7 +168,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         """Allocate the caches, then (where the platform captures graphs, and not under
-        ``enforce_eager``) set up decode-step graphs over them."""
+        ``enforce_eager``) set up decode-step graphs over them and capture one for every
+        batch size now: a capture on first use stalls every running request for its length
+        (tens of ms on an 8B model), which a server shows as TTFT and TPOT outliers."""
         self.kv_caches = [b.allocate_kv_cache(num_blocks, self.device) for b in self._backends]
         if self._kv_format.dtype is not None:
             logger.info(describe_kv_dtype([b.spec for b in self._backends], num_blocks, self.block_size))
@@ -176,6 +180,10 @@ class ModelRunner:
             if num_host_blocks > 0
         ]
         self.graphs = self._make_graph_runner()
+        if self.graphs is not None:
+            self.graph_capture_s = self.graphs.capture_all()
+            if self.graph_capture_s:
+                logger.info("captured the decode graphs in %.2f s", self.graph_capture_s)
 
     def _make_graph_runner(self) -> DecodeGraphRunner | None:
         graphs = self._may_use_graphs()

@@ -34,6 +34,7 @@ import zmq
 from core.engine_args import EngineArgs
 from core.engine_core.core import EngineCore, EngineOverloaded
 from core.engine_core.types import EngineInfo, EngineRequest, RequestDelta
+from core.entrypoints.heap import freeze_startup_heap
 from core.entrypoints.signals import exit_on_sigterm
 from core.scheduler import SchedulerStats
 
@@ -154,6 +155,7 @@ def run_engine_core(
             code = 1
             return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        freeze_startup_heap()
         out.send(enc.encode(Ready(core.info(os.getpid()))))
         started.set()  # from here the loop itself notices a vanished parent
         code = _Loop(core, commands, out, parent_pid).run()

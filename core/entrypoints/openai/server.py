@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 
 from core.async_engine import AsyncLLMEngine, EngineDeadError, EngineStartupError
 from core.engine_args import EngineArgs
+from core.entrypoints.heap import freeze_startup_heap
 from core.entrypoints.openai.args import ServerArgs
 from core.entrypoints.openai.chat import create_chat_completion
 from core.entrypoints.openai.completions import create_completion
@@ -327,6 +328,7 @@ def run_server(ns: argparse.Namespace) -> int:
         # uvicorn re-raises the signal it shut down for once it is done; with this handler in
         # place that re-raise is a no-op, so a SIGTERM shutdown ends with exit code 0.
         previous = signal.signal(signal.SIGTERM, _log_terminated)
+        freeze_startup_heap()  # this process is core's own (`core serve`)
         try:
             server.run()
         finally:
