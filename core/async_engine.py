@@ -114,6 +114,20 @@ class RequestStream:
         except RuntimeError:  # the consumer's event loop is closed; nobody is listening
             pass
 
+    @staticmethod
+    def put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """Thread-safe: :meth:`put` for many streams with one wake-up per event loop, not
+        one per stream (a step's outputs for 256 streams were 256 self-pipe writes, each a
+        syscall and a loop iteration, all on the output thread's GIL share)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, pairs)
+            except RuntimeError:  # that event loop is closed; nobody is listening
+                pass
+
     def __aiter__(self) -> RequestStream:
         return self
 
@@ -141,6 +155,11 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _put_each(pairs: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
 
 
 class AsyncLLMEngine:
@@ -406,9 +425,7 @@ class AsyncLLMEngine:
             self._report_outputs(outputs)  # before on_finished, which forgets the request
             for out in finished:
                 self._report_finished(out)
-            for stream, out in zip(targets, outputs):
-                if stream is not None:
-                    stream.put(out)
+            RequestStream.put_all([(stream, out) for stream, out in zip(targets, outputs) if stream is not None])
             for hit in stops:
                 self._send(StopSample(hit.request_id, hit.index))
         elif isinstance(msg, Acks):
@@ -467,8 +484,7 @@ class AsyncLLMEngine:
             err = self._dead
             streams, self._streams = list(self._streams.values()), {}
             acks, self._acks = list(self._acks.values()), {}
-        for s in streams:
-            s.put(err)
+        RequestStream.put_all([(s, err) for s in streams])
         for fut in acks:
             try:
                 fut.set_exception(err)

@@ -344,3 +344,28 @@ def test_an_engine_core_still_starting_exits_when_its_front_end_dies(model_dir, 
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"the starting engine core (pid {pid}) outlived its front end by {WAIT_S}s")
+
+
+def test_a_steps_outputs_reach_every_stream_with_one_wake_up():
+    """The output thread hands a step's outputs to all streams of one event loop in one
+    call_soon_threadsafe (one self-pipe write), each stream getting its own output."""
+    from types import SimpleNamespace
+
+    from core.async_engine import RequestStream
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
+        streams = [RequestStream(f"r{i}", loop, lambda rid: None) for i in range(5)]
+        outs = [SimpleNamespace(finished=True, request_id=f"r{i}") for i in range(5)]
+        t = threading.Thread(target=RequestStream.put_all, args=(list(zip(streams, outs)),))
+        t.start()
+        got = [[o async for o in s] for s in streams]
+        t.join(WAIT_S)
+        return got, wakeups
+
+    got, wakeups = asyncio.run(asyncio.wait_for(main(), WAIT_S))
+    assert [[o.request_id for o in g] for g in got] == [[f"r{i}"] for i in range(5)]
+    assert len(wakeups) == 1
