@@ -143,7 +143,8 @@ class DecodeGraphRunner(ABC):
 
     def capture_all(self) -> float:
         """Capture every batch size now instead of on first use; returns the seconds it
-        took. Default: nothing to capture (0.0)."""
+        took. The model runner calls it once, right after allocating the KV cache, so no
+        capture happens while serving. Default: nothing to capture (0.0)."""
         return 0.0
 
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps: one graph per batch-size bucket, captured on first use.
+"""CUDA graphs of decode steps: one graph per batch-size bucket, all captured at start-up.
 
 A decode-only step of ``n`` sequences runs as the graph of the smallest bucket ``B >= n``
 (buckets: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs; padding a step to a
@@ -12,9 +12,12 @@ longest context (see ``choose_decode_partition``); a graph freezes both. Each bu
 captured with ``max_seq_len = max_model_len``, so its plan (and v2's scratch size) is right
 for every context the engine can reach: partitions past a sequence's end exit at once.
 
-Capture is lazy: the first step of each bucket runs the model once eagerly (warm-up, which
-also computes that step's real result into the cache), then captures and replays. All graphs
-share one memory pool; they never run concurrently and each keeps only its output alive.
+The model runner captures every bucket when it allocates the KV cache (:meth:`capture_all`:
+a capture while serving stalls every running request for its 40-120 ms on an 8B model). A
+bucket not captured yet (a runner built directly, as the tests do) is captured on first use:
+that step runs the model once eagerly (warm-up, which also computes its real result into the
+cache), then captures and replays. All graphs share one memory pool; they never run
+concurrently and each keeps only its output alive.
 
 Steps with prefills of up to ``spec.max_mixed_tokens`` tokens replay piecewise, around
 eager attention calls (platforms/cuda/piecewise.py), when the runner passed the model's
