@@ -392,7 +392,7 @@ def _report(e: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.entrypoints.signals import exit_on_sigterm
+    from core.entrypoints.signals import exit_on_sigterm, keep_exit_status_after_ctrl_c
 
     exit_on_sigterm()  # first: a SIGTERM during start-up (kernel build, model load) unwinds
     env = envs.read()
@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print("\ninterrupted", file=sys.stderr)
+        keep_exit_status_after_ctrl_c()
         return 130
     except Exception as e:
         if debug:

@@ -25,3 +25,22 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _exit)
     except ValueError:  # not the main thread (an embedding application): leave its handlers
         pass
+
+
+def keep_exit_status_after_ctrl_c() -> None:
+    """Let the exit status the program chose stand after it handled a Ctrl-C.
+
+    CPython remembers a KeyboardInterrupt that escaped code run through ``PyRun_String``
+    (pybind11's ``py::exec``/``py::eval`` in an extension module, for one) even when Python
+    code further up catches it, and ``python -m ...`` then ends the process by SIGINT after
+    finalization whatever ``sys.exit`` said: a Ctrl-C during ``core generate``'s start-up
+    exited 130 or died by SIGINT depending on which instruction it landed on. The flag is
+    cleared by the next successful run through the same API, so an empty one clears it.
+    Call it only where the interrupt has been handled; a no-op off CPython.
+    """
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except (ImportError, AttributeError, OSError):  # not CPython, or no ctypes
+        pass
