@@ -202,6 +202,77 @@ def test_grace_ends_an_open_stream_with_its_error():
     asyncio.run(scenario())
 
 
+def test_grace_ends_a_stream_waiting_for_its_next_item():
+    """No item ever comes (a stalled request): the expiry itself ends the wait."""
+    async def scenario():
+        grace = ShutdownGrace(0.05)
+        closed = asyncio.Event()
+
+        async def stalled():
+            try:
+                yield "first"
+                await asyncio.Event().wait()  # never set
+            finally:
+                closed.set()
+
+        got = []
+        grace.begin(asyncio.get_running_loop())
+        with pytest.raises(Exception) as e:
+            async for item in grace.until_expired(stalled()):
+                got.append(item)
+        assert e.value.status == 503 and e.value.code == "server_shutting_down"
+        assert got == ["first"] and closed.is_set() and grace.open == 0
+        # the cancel that woke it was taken back: the task can go on awaiting
+        await asyncio.sleep(0)
+        assert asyncio.current_task().cancelling() == 0
+
+    asyncio.run(scenario())
+
+
+def test_grace_ends_a_reader_busy_elsewhere_at_its_next_item():
+    async def scenario():
+        grace = ShutdownGrace(0.02)
+        got = []
+        grace.begin(asyncio.get_running_loop())
+        with pytest.raises(Exception) as e:
+            async for item in grace.until_expired(_counting()):
+                got.append(item)
+                await asyncio.sleep(0.2)  # the grace runs out while the reader writes
+        assert e.value.status == 503 and got == [0]
+
+    asyncio.run(scenario())
+
+
+async def _counting():
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+def test_a_cancel_that_is_not_the_grace_stays_a_cancel():
+    async def scenario():
+        grace = ShutdownGrace(30)
+
+        async def read():
+            async for _ in grace.until_expired(_stalled_forever()):
+                pass
+
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert grace.open == 0
+
+    asyncio.run(scenario())
+
+
+async def _stalled_forever():
+    await asyncio.Event().wait()
+    yield None
+
+
 def test_grace_passes_a_finished_stream_through():
     async def scenario():
         grace = ShutdownGrace(30)

@@ -215,7 +215,7 @@ async def _events(
 
     def sse(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
-        return f"data: {json.dumps(chunk.model_dump())}\n\n"
+        return f"data: {chunk.model_dump_json()}\n\n"  # pydantic's encoder, as completions' _sse
 
     cursors = [ChoiceCursor() for _ in range(req.n)]
     parsers = [shape.streamer() for _ in range(req.n)]

