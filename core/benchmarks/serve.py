@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import platform as host
 import random
@@ -170,6 +171,10 @@ async def _served_model(client, ns) -> str:
 async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tuple[list[RequestResult], float, str]:
     import httpx2
 
+    # one INFO line per request from the HTTP client would bury the report (CORE_LOG_LEVEL=DEBUG shows them)
+    client_log = logging.getLogger("httpx2")
+    if not client_log.isEnabledFor(logging.DEBUG):
+        client_log.setLevel(logging.WARNING)
     headers = {"Content-Type": "application/json"}
     if ns.api_key:
         headers["Authorization"] = f"Bearer {ns.api_key}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import re
@@ -463,13 +464,17 @@ def test_health_metrics_and_docs(server, client):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
 
 
-def test_bench_serve_online_and_offline(server, model_dir, tmp_path):
+def test_bench_serve_online_and_offline(server, model_dir, tmp_path, caplog):
     """`core bench serve` against the server, then the same workload offline."""
     from core.entrypoints.cli import main
+
+    caplog.set_level(logging.INFO)
 
     common = ["bench", "serve", "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
               "--token-range", "3", "500", "--seed", "3", "--request-rate", "20", "--save-detailed"]
     assert main([*common, "--base-url", server.url, "--output-json", str(tmp_path / "on.json")]) == 0
+    # the HTTP client's per-request INFO lines stay out of the report
+    assert not [r for r in caplog.records if r.name.startswith("httpx2") and r.levelno < logging.WARNING]
     assert main([*common, "--offline", "--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN),
                  "--kv-cache-memory", "32MiB", "--platform", "cpu", "--output-json", str(tmp_path / "off.json")]) == 0
     for name in ("on", "off"):
