@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from core.detokenizer import IncrementalDetokenizer, StopChecker
+from core.detokenizer import IncrementalDetokenizer, StopChecker, exact_backend_decode
 
 MULTILINGUAL = [
     "The quick brown fox jumps over the lazy dog.",
@@ -192,3 +192,36 @@ def test_stop_checker_streamable_len_holds_back_possible_stop_prefixes() -> None
     assert checker.streamable_len("hello EN") == 6
     assert checker.streamable_len("hello") == 5
     assert StopChecker(["END"], True).streamable_len("hello EN") == 8
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("tok_name", TOKENIZERS)
+def test_the_backend_decode_is_taken_and_equals_transformers(tok_name, skip, request) -> None:
+    """Both test tokenizers are stock fast tokenizers: the detokenizer decodes through the
+    Rust tokenizer directly, and that gives transformers' own text for any ids."""
+    tok = request.getfixturevalue(tok_name)
+    fast = exact_backend_decode(tok)
+    assert fast is not None and IncrementalDetokenizer(tok, [])._backend_decode is not None
+    rng = random.Random(2)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 6))]
+        assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_no_backend_decode_where_transformers_rewrites_the_text(gguf_tokenizer) -> None:
+    import copy
+
+    cleaning = copy.deepcopy(gguf_tokenizer)
+    cleaning.clean_up_tokenization_spaces = True  # transformers may edit spaces after decoding
+    assert exact_backend_decode(cleaning) is None
+
+    class Custom(type(gguf_tokenizer)):
+        def _decode(self, *args, **kwargs):  # a model's own post-processing
+            return super()._decode(*args, **kwargs).upper()
+
+    custom = copy.deepcopy(gguf_tokenizer)
+    custom.__class__ = Custom
+    assert exact_backend_decode(custom) is None
+    detok = IncrementalDetokenizer(custom, [])
+    ids = custom.encode("hello world", add_special_tokens=False)
+    assert detok.add_tokens(ids) + detok.finish() == "HELLO WORLD"
