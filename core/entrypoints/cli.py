@@ -391,35 +391,45 @@ def _report(e: BaseException) -> int:
     return 1
 
 
+def _interrupted() -> int:
+    """A Ctrl-C the command did not handle itself: one line and exit status 130."""
+    from core.entrypoints.signals import keep_exit_status_after_ctrl_c
+
+    print("\ninterrupted", file=sys.stderr)
+    keep_exit_status_after_ctrl_c()
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    from core.entrypoints.signals import exit_on_sigterm, keep_exit_status_after_ctrl_c
+    from core.entrypoints.signals import ctrl_c_seen, exit_on_sigterm, watch_ctrl_c
 
     exit_on_sigterm()  # first: a SIGTERM during start-up (kernel build, model load) unwinds
+    watch_ctrl_c()
     env = envs.read()
     argv = sys.argv[1:] if argv is None else list(argv)
-    ns = build_parser(_help_device_memory(argv, env)).parse_args(argv)
-    debug = ns.debug or env.log_level.upper() == "DEBUG"
-    try:
-        logging.basicConfig(level="DEBUG" if debug else env.log_level.upper(),
-                            format="%(levelname)s %(name)s: %(message)s")
-    except ValueError:
-        print(f"error: CORE_LOG_LEVEL={env.log_level!r} is not a log level; use DEBUG, INFO, "
-              f"WARNING or ERROR", file=sys.stderr)
-        return 2
-    if getattr(ns, "model_pos", None) and not getattr(ns, "model", None):
-        ns.model = ns.model_pos
-    try:
+    debug = env.log_level.upper() == "DEBUG"
+    try:  # from the first line: building the parser imports torch (a second or so)
+        ns = build_parser(_help_device_memory(argv, env)).parse_args(argv)
+        debug = debug or ns.debug
+        try:
+            logging.basicConfig(level="DEBUG" if debug else env.log_level.upper(),
+                                format="%(levelname)s %(name)s: %(message)s")
+        except ValueError:
+            print(f"error: CORE_LOG_LEVEL={env.log_level!r} is not a log level; use DEBUG, INFO, "
+                  f"WARNING or ERROR", file=sys.stderr)
+            return 2
+        if getattr(ns, "model_pos", None) and not getattr(ns, "model", None):
+            ns.model = ns.model_pos
         return ns.func(ns)
     except KeyboardInterrupt:
         if debug:
             raise
-        print("\ninterrupted", file=sys.stderr)
-        keep_exit_status_after_ctrl_c()
-        return 130
+        return _interrupted()
     except Exception as e:
         if debug:
             raise
-        return _report(e)
+        # a library that turned the Ctrl-C into an error of its own (an import cut part-way)
+        return _interrupted() if ctrl_c_seen() else _report(e)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,34 @@ def exit_on_sigterm() -> None:
         pass
 
 
+_ctrl_c_seen = False
+
+
+def _interrupt(signum: int, frame) -> None:
+    global _ctrl_c_seen
+    _ctrl_c_seen = True
+    signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as Python's own handler
+
+
+def watch_ctrl_c() -> None:
+    """Remember from now on whether a Ctrl-C (SIGINT) arrived, keeping Python's behaviour
+    (KeyboardInterrupt). A library that catches the interrupt half-way through an import and
+    raises its own error instead (transformers' lazy modules do) would otherwise look like
+    a bug in core. Only replaces Python's default handler, in the main thread."""
+    global _ctrl_c_seen
+    _ctrl_c_seen = False
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt)
+    except ValueError:  # not the main thread
+        pass
+
+
+def ctrl_c_seen() -> bool:
+    """Whether a SIGINT arrived since :func:`watch_ctrl_c`."""
+    return _ctrl_c_seen
+
+
 def keep_exit_status_after_ctrl_c() -> None:
     """Let the exit status the program chose stand after it handled a Ctrl-C.
 
