@@ -90,8 +90,9 @@ class ShutdownGrace:
         Closing this iterator closes ``items``.
 
         Nothing is spent per item (an earlier form raced every item against the expiry with
-        a task and ``asyncio.wait``, a tenth of the API process's time when streaming): the
-        expiry cancels the reading task while it waits, and the cancel becomes the error.
+        a task and ``asyncio.wait``: ~9 us of the API process's ~118 us per streamed token,
+        docs/benchmarks/api_cost.md): the expiry cancels the reading task while it waits,
+        and the cancel becomes the error.
         """
         consumer = _Consumer(asyncio.current_task())
         with self.request():
