@@ -177,9 +177,23 @@ def test_host_names_and_matching():
 
 
 # ---- shutdown grace ---------------------------------------------------------------------------
+async def _read_until_the_grace_ends(items, closed: asyncio.Event) -> list:
+    """Read ``items`` under a 50 ms grace that starts now; it must end with the grace's
+    error, with ``items`` closed and no request left open. Returns what was read."""
+    grace = ShutdownGrace(0.05)
+    got = []
+    grace.begin(asyncio.get_running_loop())
+    with pytest.raises(Exception) as e:
+        async for item in grace.until_expired(items):
+            got.append(item)
+            assert grace.open == 1
+    assert e.value.status == 503 and e.value.code == "server_shutting_down"
+    assert closed.is_set() and grace.open == 0
+    return got
+
+
 def test_grace_ends_an_open_stream_with_its_error():
     async def scenario():
-        grace = ShutdownGrace(0.05)
         closed = asyncio.Event()
 
         async def forever():
@@ -190,14 +204,7 @@ def test_grace_ends_an_open_stream_with_its_error():
             finally:
                 closed.set()
 
-        got = []
-        grace.begin(asyncio.get_running_loop())
-        with pytest.raises(Exception) as e:
-            async for item in grace.until_expired(forever()):
-                got.append(item)
-                assert grace.open == 1
-        assert e.value.status == 503 and e.value.code == "server_shutting_down"
-        assert got and closed.is_set() and grace.open == 0
+        assert await _read_until_the_grace_ends(forever(), closed)
 
     asyncio.run(scenario())
 
@@ -205,7 +212,6 @@ def test_grace_ends_an_open_stream_with_its_error():
 def test_grace_ends_a_stream_waiting_for_its_next_item():
     """No item ever comes (a stalled request): the expiry itself ends the wait."""
     async def scenario():
-        grace = ShutdownGrace(0.05)
         closed = asyncio.Event()
 
         async def stalled():
@@ -215,13 +221,7 @@ def test_grace_ends_a_stream_waiting_for_its_next_item():
             finally:
                 closed.set()
 
-        got = []
-        grace.begin(asyncio.get_running_loop())
-        with pytest.raises(Exception) as e:
-            async for item in grace.until_expired(stalled()):
-                got.append(item)
-        assert e.value.status == 503 and e.value.code == "server_shutting_down"
-        assert got == ["first"] and closed.is_set() and grace.open == 0
+        assert await _read_until_the_grace_ends(stalled(), closed) == ["first"]
         # the cancel that woke it was taken back: the task can go on awaiting
         await asyncio.sleep(0)
         assert asyncio.current_task().cancelling() == 0
