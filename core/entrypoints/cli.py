@@ -93,6 +93,7 @@ def cmd_chat(ns) -> int:
 def _chat_loop(llm, ns) -> int:
     """Read a line, stream the reply, repeat. Ctrl-C during a reply stops it (see
     core.entrypoints.terminal); at the prompt, Ctrl-D or a second Ctrl-C quits."""
+    from core.entrypoints.signals import forget_ctrl_c
     from core.entrypoints.terminal import stream_reply
 
     try:
@@ -111,6 +112,7 @@ def _chat_loop(llm, ns) -> int:
             print(file=sys.stderr)
             return 0
         except KeyboardInterrupt:
+            forget_ctrl_c()  # handled here: a later error is reported as itself
             if interrupted:
                 print(file=sys.stderr)
                 return 0

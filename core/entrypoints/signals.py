@@ -51,8 +51,16 @@ def watch_ctrl_c() -> None:
 
 
 def ctrl_c_seen() -> bool:
-    """Whether a SIGINT arrived since :func:`watch_ctrl_c`."""
+    """Whether a SIGINT arrived since :func:`watch_ctrl_c` that nobody handled (see
+    :func:`forget_ctrl_c`)."""
     return _ctrl_c_seen
+
+
+def forget_ctrl_c() -> None:
+    """For code that handled a KeyboardInterrupt and goes on (``core chat`` at its prompt):
+    a later error is then reported as what it is, not as the interrupt."""
+    global _ctrl_c_seen
+    _ctrl_c_seen = False
 
 
 def keep_exit_status_after_ctrl_c() -> None:

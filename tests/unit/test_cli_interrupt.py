@@ -48,6 +48,28 @@ def test_a_ctrl_c_a_library_turned_into_its_own_error_is_still_an_interrupt(monk
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
+def test_an_error_after_a_handled_ctrl_c_is_reported_as_itself(monkeypatch, capsys):
+    """A Ctrl-C the command handled and went on from (``core chat`` at its prompt) does not
+    turn a later error into "interrupted"."""
+    from core.entrypoints.signals import forget_ctrl_c
+
+    def command(ns):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            forget_ctrl_c()
+        raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
+
+    monkeypatch.setattr(cli, "cmd_generate", command)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli.main(["generate", "hi"]) == 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "bug in core" in capsys.readouterr().err
+
+
 def test_ctrl_c_while_the_parser_is_built(monkeypatch, capsys):
     def build_parser(*args):
         raise KeyboardInterrupt  # torch being imported by the server flags' module
