@@ -20,15 +20,22 @@ def _raises(exc: BaseException):
     return command
 
 
-def _library_wraps_the_interrupt(ns):
-    """A real SIGINT, caught half-way by a library that raises its own error instead (as
-    transformers' lazy modules do when an import is cut)."""
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)  # the handler raises here
-    except KeyboardInterrupt:
-        pass
-    raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
+def _ctrl_c_then_an_error(handled: bool):
+    """A command that gets a real SIGINT and catches it, then fails with an error of its
+    own: a library that turned the cut import into its own error (``handled=False``, as
+    transformers' lazy modules do), or code that handled the Ctrl-C and went on
+    (``handled=True``, as ``core chat`` at its prompt) before an unrelated error."""
+    from core.entrypoints.signals import forget_ctrl_c
+
+    def command(ns):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            if handled:
+                forget_ctrl_c()
+        raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
+    return command
 
 
 def test_ctrl_c_in_the_command_is_one_line_and_130(monkeypatch, capsys):
@@ -38,36 +45,16 @@ def test_ctrl_c_in_the_command_is_one_line_and_130(monkeypatch, capsys):
     assert err.strip() == "interrupted", err
 
 
-def test_a_ctrl_c_a_library_turned_into_its_own_error_is_still_an_interrupt(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "cmd_generate", _library_wraps_the_interrupt)
+@pytest.mark.parametrize(("handled", "rc"), [(False, 130), (True, 1)], ids=["wrapped-by-a-library", "handled"])
+def test_an_error_after_a_ctrl_c(handled, rc, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "cmd_generate", _ctrl_c_then_an_error(handled))
     previous = signal.getsignal(signal.SIGINT)
     try:
-        assert cli.main(["generate", "hi"]) == 130
+        assert cli.main(["generate", "hi"]) == rc
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert capsys.readouterr().err.strip() == "interrupted"
-
-
-def test_an_error_after_a_handled_ctrl_c_is_reported_as_itself(monkeypatch, capsys):
-    """A Ctrl-C the command handled and went on from (``core chat`` at its prompt) does not
-    turn a later error into "interrupted"."""
-    from core.entrypoints.signals import forget_ctrl_c
-
-    def command(ns):
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
-        except KeyboardInterrupt:
-            forget_ctrl_c()
-        raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
-
-    monkeypatch.setattr(cli, "cmd_generate", command)
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        assert cli.main(["generate", "hi"]) == 1
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert "bug in core" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (err.strip() == "interrupted") if rc == 130 else ("bug in core" in err), err
 
 
 def test_ctrl_c_while_the_parser_is_built(monkeypatch, capsys):
