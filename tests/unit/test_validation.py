@@ -237,7 +237,7 @@ def test_grace_ends_a_reader_busy_elsewhere_at_its_next_item():
         with pytest.raises(Exception) as e:
             async for item in grace.until_expired(_counting()):
                 got.append(item)
-                await asyncio.sleep(0.2)  # the grace runs out while the reader writes
+                await grace.expired.wait()  # the grace runs out while the reader is busy (writing)
         assert e.value.status == 503 and got == [0]
 
     asyncio.run(scenario())
