@@ -161,8 +161,8 @@ class _TokenizerPrefetch:
     """Loads the front end's two tokenizers while the engine core starts, from where the
     engine core will say they are (its :class:`EngineInfo` is only known once it is ready).
 
-    The guess follows ``resolve_config``: ``--tokenizer`` or the model directory, or a GGUF
-    file's own vocabulary. :meth:`result` uses the prefetched pair only when the engine
+    The guess is ``resolve_config``'s own rule (``--tokenizer``, else what
+    ``model_loader.locate_model`` names: the model directory, or a GGUF file's vocabulary). :meth:`result` uses the prefetched pair only when the engine
     core's answer is that same source, and loads it anew otherwise (or when the guess
     failed: the engine core's own error then says why). Importing transformers and building
     a 128k-token vocabulary took ~2 s of the API process after the engine was ready.
@@ -192,21 +192,15 @@ class _TokenizerPrefetch:
 
 def _tokenizer_source(args: EngineArgs) -> tuple[str, str | None, str | None] | None:
     """(tokenizer path, GGUF file, cache dir) as the engine core will resolve them, or None
-    when it cannot be told here."""
+    when it cannot be told here (the engine core's own error then says why)."""
     from core import envs
-    from core.model_loader import default_model_path
+    from core.model_loader import default_model_path, locate_model
 
     try:
-        model = args.model or default_model_path()
+        gguf_file, tok_path = locate_model(args.model or default_model_path())
     except FileNotFoundError:
         return None
-    cache_dir = envs.read().cache_dir
-    path = os.path.abspath(os.path.expanduser(model))  # as model_loader.load_config names it
-    if os.path.isfile(path) and path.endswith(".gguf"):  # the tokenizer comes from its metadata
-        return args.tokenizer or os.path.dirname(path), path, cache_dir
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return None  # not a model: the engine core's error says so
-    return args.tokenizer or path, None, cache_dir
+    return args.tokenizer or tok_path, gguf_file, envs.read().cache_dir
 
 
 def _put_each(pairs: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

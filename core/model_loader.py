@@ -77,17 +77,29 @@ def load_config(model: str, cache_dir: str | None = None) -> tuple[str, Any, str
     """
     from transformers import AutoConfig
 
+    gguf_file, tok_path = locate_model(model)
+    if gguf_file is not None:
+        hf_config = load_gguf_config(gguf_file, cache_dir)
+        return _architecture(hf_config, gguf_file), hf_config, gguf_file, tok_path
+    hf_config = AutoConfig.from_pretrained(tok_path, local_files_only=True)
+    return _architecture(hf_config, tok_path), hf_config, None, tok_path
+
+
+def locate_model(model: str) -> tuple[str | None, str]:
+    """``(gguf_file, tokenizer_path)`` for a model path, reading no file: the absolute GGUF
+    path (or None for an HF directory) and the directory to load the tokenizer from.
+
+    :raises FileNotFoundError: neither a ``.gguf`` file nor a directory with config.json.
+    """
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
-        hf_config = load_gguf_config(path, cache_dir)
-        return _architecture(hf_config, path), hf_config, path, os.path.dirname(path)
+        return path, os.path.dirname(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"model {model!r} is neither a .gguf file nor a directory containing config.json; "
             f"pass a local HF model directory or a GGUF file to --model"
         )
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    return _architecture(hf_config, path), hf_config, None, path
+    return None, path
 
 
 def _architecture(hf_config: Any, where: str) -> str:
