@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 # a KeyboardInterrupt raised inside PyRun_String and caught by Python code, as when a
@@ -38,7 +36,6 @@ def _run_as_module(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(sys.implementation.name != "cpython", reason="the quirk and the fix are CPython's")
 def test_without_the_fix_python_m_dies_by_sigint(tmp_path):
     r = _run_as_module(tmp_path, "plain")
     assert r.returncode == -signal.SIGINT, (r.returncode, r.stderr)
