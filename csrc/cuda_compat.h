@@ -227,6 +227,22 @@ __device__ __forceinline__ void mma_f16_16x8x16(float (&c)[4], const uint32_t (&
 #endif
 }
 
+#ifndef USE_ROCM
+// Whether the current device has the fp16 mma.sync above (compute capability 8.0+), cached
+// per device; host side (the launchers pick their tensor-core kernels by it).
+inline bool device_has_mma_f16() {
+  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes; idempotent racy writes are harmless
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cached[dev] = major >= 8 ? 2 : 1;
+  }
+  return cached[dev] == 2 && CORE_HAS_MMA_F16;
+}
+#endif
+
 // ---- asynchronous global -> shared copies ------------------------------------------------
 // On NVIDIA sm_80+ these are cp.async copies of 16 bytes that bypass L1 and registers,
 // grouped by commit and awaited by count. Elsewhere (HIP, older NVIDIA) they degrade to

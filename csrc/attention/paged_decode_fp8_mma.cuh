@@ -275,20 +275,6 @@ __global__ void __launch_bounds__(Fp8MmaShape::kThreads, 4) paged_decode_fp8_mma
   store_merged<QT, W, G, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part);
 }
 
-// Whether the device has the fp16 mma.sync this kernel needs (compute capability 8.0+),
-// cached per device.
-inline bool device_has_mma_f16() {
-  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes; idempotent racy writes are harmless
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cached[dev] = major >= 8 ? 2 : 1;
-  }
-  return cached[dev] == 2 && CORE_HAS_MMA_F16;
-}
-
 template <typename QT>
 cudaError_t launch_paged_decode_fp8_mma(const DecodeArgs& a, cudaStream_t stream) {
   using Sh = Fp8MmaShape;

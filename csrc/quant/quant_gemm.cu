@@ -4,7 +4,9 @@
 // bound by reading the weights. One warp owns one output row: its lanes stream the row's
 // codes as consecutive 16-byte vectors (coalesced), decode each vector to floats in
 // registers, dequantizes it (one FMA per weight) and multiplies it into every activation row
-// (small, L1/L2 resident): the weights are read once whatever the number of rows.
+// (small, L1/L2 resident): the weights are read once whatever the number of rows. fp8 codes
+// with 16-bit activations take the tensor-core kernel below instead (fp8_gemv_mma_kernel) at
+// 2-16 rows, and at one row on small weights (fp8_mma_applies).
 //
 // quant_dequant: W in the activation dtype, for prefill steps, which then run one dense GEMM
 // (compute-bound there, so the extra pass over W is small next to it).
@@ -238,6 +240,247 @@ cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+#if CORE_HAS_FP8_KV
+// ---- fp8 weights on tensor cores (decode rows, fp16/bf16 activations) ---------------------
+// The CUDA-core kernel above widens every fp8 code to a float and spends ~7.7 thread
+// instructions per weight (ncu, 2026-12-02): at M = 1 it read codes at ~2 TB/s, issue- and
+// latency-bound. Here a warp owns 16 output rows and multiplies them with mma.sync m16n8k16
+// (fp16 inputs, fp32 sums): a weight costs half a pair conversion (e4m3x2 -> f16x2, exact)
+// and 1/256 of an mma, so the loads decide the speed.
+//
+// Layout of one trip (128 inputs, k0 = 128 c): lane (g = lane / 4, t = lane % 4) loads the 32
+// codes k0 + 32 t .. +32 of output rows g and g + 8 (two 16-byte vectors each: 128 contiguous
+// bytes per row across the quad). A dot product may visit its inputs in any order as long as
+// A and B agree, so mma step j (0-7) gives this lane's k-slots (2t, 2t+1 | 2t+8, 2t+9) the
+// inputs k0 + 32 t + 4 j + (0, 1 | 2, 3): A's words are the code pairs as loaded and B's the
+// activation pairs at the same positions, read by the lanes of activation row g (n-tile 0)
+// and g + 8 (n-tile 1); rows past m are zeros.
+//
+// bf16 activations enter as fp16 times a power of two, 2^s, chosen per trip and activation
+// row by the 4 lanes that read it (their largest |x| lands in [2^14, 2^15)): every bf16
+// value at least 2^-28 times the trip's largest converts exactly (bf16 has 8 significant
+// bits, fp16 11, and fp16's normal range reaches down to 2^-14); smaller ones round to fp16
+// subnormals, below fp32's rounding of the sum. The trip's sums are multiplied back by
+// 2^-s with the group's weight scale (group % 128 == 0) and added in fp32.
+//
+// Small layers (the output projection, the down projection: 256 tiles of 16 rows) give too
+// few warps to keep HBM busy, so a CTA of S warps splits K over the same 16 rows (S from
+// choose_fp8_mma_split) and adds its partial sums through shared memory.
+constexpr int kMmaRowsPerWarp = 16;
+constexpr int kMmaTrip = 128;  // inputs per trip and warp
+constexpr int kMmaMaxSplit = 8;
+
+template <typename T>
+struct MmaActivations;
+
+// load: the 32 activations k0 + 32 t .. +32 of one row as 16 fp16 pairs; returns the
+// exponent s of the row's trip-wide power of two 2^s (0 for fp16: taken as they are).
+template <>
+struct MmaActivations<Fp16> {
+  __device__ __forceinline__ static int load(const uint16_t* row, uint32_t (&w)[16]) {
+    const uint4* v = reinterpret_cast<const uint4*>(row);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 q = __ldg(v + i);
+      w[4 * i] = q.x, w[4 * i + 1] = q.y, w[4 * i + 2] = q.z, w[4 * i + 3] = q.w;
+    }
+    return 0;
+  }
+};
+
+template <>
+struct MmaActivations<Bf16> {
+  __device__ __forceinline__ static int load(const uint16_t* row, uint32_t (&w)[16]) {
+    const uint4* v = reinterpret_cast<const uint4*>(row);
+    float f[32];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 q = __ldg(v + i);
+      const uint32_t b[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        f[8 * i + 2 * j] = __uint_as_float(b[j] << 16);
+        f[8 * i + 2 * j + 1] = __uint_as_float(b[j] & 0xffff0000u);
+        amax = fmaxf(amax, fmaxf(fabsf(f[8 * i + 2 * j]), fabsf(f[8 * i + 2 * j + 1])));
+      }
+    }
+    // The quad's lanes hold the row's 128 inputs of this trip.
+    amax = fmaxf(amax, warp_shfl_xor(amax, 1));
+    amax = fmaxf(amax, warp_shfl_xor(amax, 2));
+    // amax in [2^e, 2^(e+1)) -> s = 14 - e; clamped so that 2^s and 2^-s are normal floats
+    // (all zeros: any s; inf / NaN stay what they are).
+    const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 127;
+    const int s = max(-126, min(126, 14 - e));
+    const float up = __uint_as_float(static_cast<uint32_t>(s + 127) << 23);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = float2_to_half2_bits(f[2 * i] * up, f[2 * i + 1] * up);
+    return s;
+  }
+};
+
+// 2^-s as a float (s from MmaActivations::load, within [-126, 126]).
+__device__ __forceinline__ float pow2_neg(int s) { return __uint_as_float(static_cast<uint32_t>(127 - s) << 23); }
+
+// NT: n-tiles of 8 activation rows (1 for m <= 8, 2 for m <= 16).
+template <typename T, int NT>
+__global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
+    fp8_gemv_mma_kernel(const QuantGemvArgs a) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int split = blockDim.x / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * kMmaRowsPerWarp;
+  // Rows past n (the last tile) recompute row n - 1 and are never written.
+  const int r_lo = min(row0 + g, a.n - 1), r_hi = min(row0 + g + 8, a.n - 1);
+  const uint8_t* w_lo = a.codes + int64_t(r_lo) * a.k + 32 * t;
+  const uint8_t* w_hi = a.codes + int64_t(r_hi) * a.k + 32 * t;
+  const int groups = a.k / a.group;
+  const float* s_lo = a.scales + int64_t(r_lo) * groups;
+  const float* s_hi = a.scales + int64_t(r_hi) * groups;
+  const auto* x = static_cast<const uint16_t*>(a.x);
+  bool has_x[NT];
+  const uint16_t* x_row[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int m = g + 8 * nt;
+    has_x[nt] = m < a.m;
+    x_row[nt] = x + int64_t(has_x[nt] ? m : 0) * a.x_stride + 32 * t;
+  }
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+  const int trips = a.k / kMmaTrip;
+  int c = warp;
+  uint4 cur[4] = {};
+  if (c < trips) {
+    const int k0 = c * kMmaTrip;
+    cur[0] = __ldg(reinterpret_cast<const uint4*>(w_lo + k0));
+    cur[1] = __ldg(reinterpret_cast<const uint4*>(w_lo + k0 + 16));
+    cur[2] = __ldg(reinterpret_cast<const uint4*>(w_hi + k0));
+    cur[3] = __ldg(reinterpret_cast<const uint4*>(w_hi + k0 + 16));
+  }
+  for (; c < trips; c += split) {
+    const int k0 = c * kMmaTrip;
+    // The next trip's codes are in flight while this one multiplies.
+    uint4 next[4] = {};
+    if (c + split < trips) {
+      const int k1 = k0 + split * kMmaTrip;
+      next[0] = __ldg(reinterpret_cast<const uint4*>(w_lo + k1));
+      next[1] = __ldg(reinterpret_cast<const uint4*>(w_lo + k1 + 16));
+      next[2] = __ldg(reinterpret_cast<const uint4*>(w_hi + k1));
+      next[3] = __ldg(reinterpret_cast<const uint4*>(w_hi + k1 + 16));
+    }
+    // Every lane loads (lanes past m read row 0 and zero it): load's quad shuffles need the
+    // whole warp converged.
+    uint32_t xw[NT][16];
+    int shift[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      shift[nt] = MmaActivations<T>::load(x_row[nt] + k0, xw[nt]);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) xw[nt][i] = has_x[nt] ? xw[nt][i] : 0u;
+    }
+    const uint32_t lo[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+    const uint32_t hi[8] = {cur[2].x, cur[2].y, cur[2].z, cur[2].w, cur[3].x, cur[3].y, cur[3].z, cur[3].w};
+    float part[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t af[4] = {fp8x2_e4m3_bits_to_half2_bits(lo[j] & 0xffffu),
+                              fp8x2_e4m3_bits_to_half2_bits(hi[j] & 0xffffu),
+                              fp8x2_e4m3_bits_to_half2_bits(lo[j] >> 16),
+                              fp8x2_e4m3_bits_to_half2_bits(hi[j] >> 16)};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint32_t bf[2] = {xw[nt][2 * j], xw[nt][2 * j + 1]};
+        mma_f16_16x8x16(part[nt], af, bf);
+      }
+    }
+    const int grp = k0 / a.group;
+    const float sl = s_lo[grp], sh = s_hi[grp];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      // This lane's sums are activation rows 8 nt + 2 t and + 1, whose shifts the lanes
+      // 8 t and 8 t + 4 (quads 2 t and 2 t + 1) found.
+      const float d0 = pow2_neg(warp_shfl(shift[nt], 8 * t)), d1 = pow2_neg(warp_shfl(shift[nt], 8 * t + 4));
+      acc[nt][0] += part[nt][0] * (sl * d0);
+      acc[nt][1] += part[nt][1] * (sl * d1);
+      acc[nt][2] += part[nt][2] * (sh * d0);
+      acc[nt][3] += part[nt][3] * (sh * d1);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cur[i] = next[i];
+  }
+
+  if (split > 1) {  // warp 0 adds the other warps' sums (fixed order: deterministic)
+    __shared__ float red[kMmaMaxSplit][NT * 4][kWarpSize];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[warp][nt * 4 + e][lane] = acc[nt][e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    for (int w = 1; w < split; ++w) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += red[w][nt * 4 + e][lane];
+      }
+    }
+  }
+  // acc[nt]: rows g (e 0-1) and g + 8 (e 2-3) of the tile, activation rows 8 nt + 2 t + (e & 1).
+  auto* out = static_cast<typename T::Storage*>(a.out);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = 8 * nt + 2 * t + (e & 1);
+      const int row = row0 + g + (e >= 2 ? 8 : 0);
+      if (m < a.m && row < a.n) out[int64_t(m) * a.n + row] = T::from_float(acc[nt][e]);
+    }
+  }
+}
+
+// Warps per CTA: split K while the grid stays under ~2,048 warps (about 15 per SM of an
+// H200: enough loads in flight) and every warp keeps >= 4 trips.
+inline int choose_fp8_mma_split(int tiles, int trips) {
+  int split = 1;
+  while (split < kMmaMaxSplit && int64_t(tiles) * split * 2 <= 2048 && trips / (split * 2) >= 4) split *= 2;
+  return split;
+}
+
+// A single activation row over a large weight (Llama-3-8B's QKV, gate/up, down) stays on the
+// CUDA cores, which read those at M = 1 10-25 % faster (H200, 2026-12-04); the tensor cores
+// win at M = 1 on weights up to 16 Mi codes (the output projection: 10.8 vs 16.9 us) and at
+// every M >= 2 (up to 4.4x at M = 16).
+constexpr int64_t kMmaMaxCodesAtOneRow = int64_t(1) << 24;
+
+bool fp8_mma_applies(const QuantGemvArgs& a) {
+  return a.tensor_cores && a.code == QuantCode::kFp8 && a.dtype != DType::kFloat32 && a.k % kMmaTrip == 0 &&
+         a.group % kMmaTrip == 0 && (a.m > 1 || int64_t(a.n) * a.k <= kMmaMaxCodesAtOneRow) &&
+         device_has_mma_f16();
+}
+
+// One 16-row tile per warp and one chain of 8 mma per trip. Measured variants (H200,
+// 2026-12-04, docs/quantization.md): two tiles per warp sharing the activations was 10-25 %
+// slower on the small layers at M = 1-8 (fewer warps, each latency-bound) and no faster on
+// the large ones; two chains of 4 mma was slower still (o_proj at M = 1: 21.9 vs 10.8 us).
+template <typename T>
+cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
+  const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
+  const dim3 grid(tiles), block(choose_fp8_mma_split(tiles, a.k / kMmaTrip) * kWarpSize);
+  if (a.m <= 8) {
+    fp8_gemv_mma_kernel<T, 1><<<grid, block, 0, stream>>>(a);
+  } else {
+    fp8_gemv_mma_kernel<T, 2><<<grid, block, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+#endif  // CORE_HAS_FP8_KV
+
 template <typename T, QuantCode C>
 cudaError_t launch_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
   const int64_t items = int64_t(a.n) * (a.k / Codes<C>::kPer);
@@ -382,6 +625,11 @@ cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   if (a.m < 0 || a.m > kQuantGemvMaxRows || !valid_shape(a.n, a.k, a.group, a.code)) {
     return cudaErrorInvalidValue;
   }
+#if CORE_HAS_FP8_KV
+  if (fp8_mma_applies(a)) {
+    return a.dtype == DType::kFloat16 ? launch_fp8_gemv_mma<Fp16>(a, stream) : launch_fp8_gemv_mma<Bf16>(a, stream);
+  }
+#endif
   return dispatch<GemvLauncher>(a, stream);
 }
 

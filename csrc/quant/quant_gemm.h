@@ -33,11 +33,17 @@ struct QuantGemvArgs {
   int m, n, k, group;
   QuantCode code;
   DType dtype;
+  bool tensor_cores;      // fp8 only: allow the tensor-core kernel where it applies
 };
 
-// out = x @ W^T for m <= kQuantGemvMaxRows rows (decode steps): each warp streams one weight
-// row once for all m activation rows. Returns cudaErrorInvalidValue for shapes outside the
-// contract above.
+// out = x @ W^T for m <= kQuantGemvMaxRows rows (decode steps), each weight read once for
+// all m activation rows. fp8 codes with fp16/bf16 activations, k % 128 == 0 and
+// group % 128 == 0 run on tensor cores on sm_80+ (unless tensor_cores is false; at m == 1 only
+// for weights of at most 2^24 codes, where they are faster): fp16 inputs
+// to mma.sync, bf16 activations scaled per 128 inputs by a power of two into fp16's range
+// (exact down to 2^-28 of each 128's largest), fp32 sums. Everything else: one warp per
+// weight row on CUDA cores. Returns
+// cudaErrorInvalidValue for shapes outside the contract above.
 constexpr int kQuantGemvMaxRows = 16;
 cudaError_t quant_gemv(const QuantGemvArgs& args, cudaStream_t stream);
 

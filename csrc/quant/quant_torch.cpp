@@ -75,7 +75,7 @@ void check_launch(cudaError_t err, const char* op) {
 }
 
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group) {
+                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group, bool tensor_cores) {
   const QuantCode c = code_of(code, "quant_gemv");
   const int64_t k = check_weight(codes, scales, mins, c, group, "quant_gemv");
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
@@ -104,6 +104,7 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, c
   a.group = static_cast<int>(group);
   a.code = c;
   a.dtype = dtype_of(x, "quant_gemv");
+  a.tensor_cores = tensor_cores;
   check_launch(core_kernels::quant_gemv(a, c10::cuda::getCurrentCUDAStream()), "quant_gemv");
 }
 
@@ -164,7 +165,7 @@ void quant_fp8_activations(at::Tensor& codes, at::Tensor& scales, const at::Tens
 
 // ---- Meta: ranks only (sizes may be symbolic under torch.compile) ----------------------------
 void quant_gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>&, int64_t, int64_t) {
+                     const c10::optional<at::Tensor>&, int64_t, int64_t, bool) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
               "quant_gemv: expected 2-d out, x, codes and scales");
 }
@@ -185,7 +186,7 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def("quant_fp8_activations(Tensor(a!) codes, Tensor(b!) scales, Tensor x, int group) -> ()");
   m.def(
       "quant_gemv(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
-      "int group) -> ()");
+      "int group, bool tensor_cores=True) -> ()");
   m.def(
       "quant_dequant(Tensor(a!) out, Tensor codes, Tensor scales, Tensor? mins, int code, "
       "int group) -> ()");

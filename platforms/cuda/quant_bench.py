@@ -1,13 +1,16 @@
 """Quantized linear layers on a GPU against bf16 cuBLAS, per Llama-3-8B shape and step size.
 
-    python -m platforms.cuda.quant_bench [--rows 1 4 16 64 256 2048] [--output-json PATH]
+    python -m platforms.cuda.quant_bench [--rows 1 4 16 64 256 2048] [--variants NAME ...]
+        [--output-json PATH]
 
 For each projection (fused QKV, output, fused gate/up, down) and number of activation rows
 it times, with the weights cycling through copies totalling >= 512 MiB so every call reads
 its weight from HBM (as in a decode step):
 
 * ``bf16``: ``F.linear`` on the dense bf16 weight (what an unquantized model runs);
-* ``fp8-gemv``: csrc/quant's weight-only GEMV over fp8 codes with per-row scales (M <= 16);
+* ``fp8-gemv``: csrc/quant's weight-only GEMV over fp8 codes with per-row scales (M <= 16),
+  on tensor cores (what the FP8 path runs for decode steps); ``fp8-gemv-cuda-cores``: the
+  same op held to its CUDA-core kernel (``tensor_cores=False``), for comparison;
 * ``fp8-scaled-mm``: ``torch._scaled_mm`` (rowwise scales), activations quantized per token
   in the same call (what the FP8 path runs above the GEMV's rows);
 * ``int4-gemv``: the GEMV over AWQ-style int4 codes, group 128 with mins (M <= 16);
@@ -59,6 +62,11 @@ def _int4(n: int, k: int, gen: torch.Generator) -> IntWeight:
     return IntWeight(4, codes, scales, -8 * scales, 128)
 
 
+VARIANTS = ("bf16", "fp8-gemv", "fp8-gemv-cuda-cores", "fp8-scaled-mm", "int4-gemv", "int4-dequant-gemm",
+            "int4-method")
+"""The names :func:`variants` gives, in its order."""
+
+
 def variants(n: int, k: int, gen: torch.Generator):
     """(name, weight bytes, max rows or None, weight, fn(weight, x) -> y, reference(x))."""
     from platforms.cuda.build import load_ops
@@ -70,9 +78,9 @@ def variants(n: int, k: int, gen: torch.Generator):
     fp8 = _pack(quantize_fp8_rows(dense.float().cpu()), dev)
     int4 = _pack(_int4(n, k, gen), dev)
 
-    def gemv(p, x):
+    def gemv(p, x, tensor_cores=True):
         y = torch.empty(x.shape[0], n, dtype=x.dtype, device=dev)
-        ops.quant_gemv(y, x, p.codes, p.scales, p.mins, p.code, p.group)
+        ops.quant_gemv(y, x, p.codes, p.scales, p.mins, p.code, p.group, tensor_cores)
         return y
 
     def ref(p, x):
@@ -84,6 +92,7 @@ def variants(n: int, k: int, gen: torch.Generator):
     return [
         ("bf16", n * k * 2, None, dense, lambda w, x: F.linear(x, w), lambda x: x.double() @ dense.double().T),
         ("fp8-gemv", n * k, 16, fp8, gemv, lambda x: ref(fp8, x)),
+        ("fp8-gemv-cuda-cores", n * k, 16, fp8, lambda p, x: gemv(p, x, False), lambda x: ref(fp8, x)),
         ("fp8-scaled-mm", n * k, None, fp8, lambda p, x: fp8_scaled_mm(p, x), lambda x: ref(fp8, x)),
         ("int4-gemv", n * k // 2, 16, int4, gemv, lambda x: ref(int4, x)),
         ("int4-dequant-gemm", n * k // 2, None, int4,
@@ -118,12 +127,15 @@ def _bench(name: str, k: int, n: int, variant, rows: list[int], gen: torch.Gener
     return out
 
 
-def measure(rows: list[int]) -> list[dict]:
+def measure(rows: list[int], only: list[str] | None = None) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, k, n in SHAPES:
-        for variant in variants(n, k, gen):
-            results += _bench(name, k, n, variant, rows, gen)
+        vs = variants(n, k, gen)
+        assert tuple(v[0] for v in vs) == VARIANTS, "VARIANTS must name what variants() gives"
+        for variant in vs:
+            if only is None or variant[0] in only:
+                results += _bench(name, k, n, variant, rows, gen)
             torch.cuda.empty_cache()
     return results
 
@@ -131,10 +143,12 @@ def measure(rows: list[int]) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description="quantized linear kernels vs bf16 cuBLAS (needs a GPU)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="time only these (default: all)")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args()
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    results = measure(ns.rows)
+    results = measure(ns.rows, ns.variants)
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)

@@ -113,6 +113,57 @@ def test_gemv_and_dequant_fp8_codes(dtype, group, m):
     check(y, reference(x, w), dtype, k)
 
 
+def _fp8_gemv(packed, x, tensor_cores: bool) -> torch.Tensor:
+    from platforms.cuda.build import load_ops
+
+    out = torch.full((x.shape[0], packed.codes.shape[0]), float("nan"), dtype=x.dtype, device=DEV)
+    load_ops().quant_gemv(out, x, packed.codes, packed.scales, None, packed.code, packed.group, tensor_cores)
+    return out
+
+
+# (n, k, group): an odd number of 16-row tiles (208: the platform packs only n % 16 == 0);
+# split K from 1 warp per tile (n = 2048) to 8 (n = 64, k = 14,336); k % 128 != 0 (1,056)
+# keeps the CUDA cores.
+FP8_GEMV_SHAPES = [(256, 1024, 1024), (256, 1024, 128), (208, 4096, 4096), (2048, 4096, 128),
+                   (64, 14336, 14336), (96, 1056, 1056)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", FP8_GEMV_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_fp8_gemv_tensor_cores_and_cuda_cores_match_the_reference(dtype, n, k, group, m):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{n}/{k}/{group}/{m}/{dtype}".encode()))
+    w = fp8_weight(n, k, group, gen)
+    packed = _pack(w, DEV)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    want = reference(x, w)
+    for tensor_cores in (True, False):
+        got = _fp8_gemv(packed, x, tensor_cores)
+        check(got, want, dtype, k)
+    # The split-K sums are added in a fixed order: the same inputs give the same bits.
+    assert torch.equal(_fp8_gemv(packed, x, True), _fp8_gemv(packed, x, True))
+
+
+def test_fp8_gemv_tensor_cores_take_the_range_of_bf16_activations():
+    """bf16 activations enter the tensor cores as fp16 times a power of two chosen per 128
+    inputs: rows far outside fp16's range (1e6, massive channels of 6,000, a row of 1e-4,
+    a row of 1e-30) must come through at the same accuracy as ordinary ones."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 256, 4096
+    w = fp8_weight(n, k, k, gen)
+    packed = _pack(w, DEV)
+    x = torch.randn(4, k, generator=gen)
+    x[0, ::97] = 6000.0  # a few massive channels
+    x[1] *= 1e-4  # a whole row of tiny activations
+    x[2, :8] = torch.tensor([1e6, -2e5, 65504.0, 7e4, 1e-3, -3e-3, 2.0**-9, -(2.0**-9)])
+    x[3] *= 1e-30
+    x = x.to(torch.bfloat16).to(DEV)
+    want = reference(x, w)
+    got = _fp8_gemv(packed, x, True)
+    for row in range(4):  # each row on its own scale
+        check(got[row : row + 1], want[row : row + 1], torch.bfloat16, k)
+
+
 @pytest.mark.parametrize("group", [1024, 128])
 @pytest.mark.parametrize("m", [17, 33, 200])
 @pytest.mark.parametrize("path", ["platform", "dequantized"])
