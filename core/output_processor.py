@@ -43,6 +43,7 @@ class _ReqState:
     final_only: bool
     """Emit only the finished output (offline use); skips per-step output building."""
     first_scheduled: float | None = None
+    engine_received: float | None = None
     first_token: float | None = None
     pooled: tuple[float, ...] | None = None
 
@@ -78,7 +79,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._reqs: dict[str, _ReqState] = {}
         self.counters = StepCounters()
-        self._last_step = 0.0  # when the previous step's deltas were processed (monotonic)
 
     def add_request(self, request: EngineRequest, prompt: str | None, final_only: bool = False) -> None:
         """Track a request before the engine core sees it (so no delta can be missed)."""
@@ -121,10 +121,8 @@ class OutputProcessor:
             state = self._reqs.get(d.request_id)
             if state is None:  # finished or aborted here already
                 continue
-            if d.first_scheduled:
-                # The step that first ran it began about when the previous step's outputs
-                # came (or, on an idle engine, when the request arrived): not now, its end.
-                state.first_scheduled = max(self._last_step, state.request.arrival_time)
+            if d.first_scheduled is not None:
+                state.first_scheduled, state.engine_received = d.first_scheduled, d.received
             if d.pooled is not None:
                 state.pooled = d.pooled
             if d.prompt_logprobs is not None and state.prompt_logprobs is not None:
@@ -143,7 +141,6 @@ class OutputProcessor:
                 outputs.append(self._finish_request(state))
             elif not state.final_only and (d.samples or d.prompt_logprobs is not None):
                 outputs.append(self._output(state, finished=False))
-        self._last_step = now
         return outputs, stops
 
     def _append(self, state: _ReqState, s: _Sample, sd: SampleDelta) -> bool:
@@ -213,6 +210,7 @@ class OutputProcessor:
             first_scheduled_time=state.first_scheduled,
             first_token_time=state.first_token,
             finished_time=time.monotonic() if finished else None,
+            engine_received_time=state.engine_received,
         )
         plp = tuple(state.prompt_logprobs) if state.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, tuple(comps), finished, plp, metrics,

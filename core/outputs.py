@@ -41,10 +41,17 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestMetrics:
+    """``time.monotonic()`` stamps of a request (CLOCK_MONOTONIC: the engine core's agree
+    with the front end's)."""
+
     arrival_time: float
+    """The front end took the request."""
     first_scheduled_time: float | None = None
+    """The engine core scheduled the step that computed its first tokens."""
     first_token_time: float | None = None
     finished_time: float | None = None
+    engine_received_time: float | None = None
+    """The engine core took the request (after tokenization and the IPC)."""
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,11 @@ class Request:
     """True once an n > 1 request has split into its n sequences."""
     started: bool = False
     """True once an executed step computed some of its tokens (set by Scheduler.update)."""
+    received_time: float | None = None
+    """``time.monotonic()`` when the engine core took the request (EngineCore.add_request)."""
+    scheduled_time: float | None = None
+    """``time.monotonic()`` when a step first admitted it (Scheduler.schedule): with
+    asynchronous scheduling that step runs once the one in flight has finished."""
 
     def __post_init__(self) -> None:
         if not self.seqs:

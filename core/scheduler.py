@@ -52,6 +52,7 @@ was counted on the device when it was sampled.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -175,7 +176,9 @@ class SchedulerStats:
 class _Touched:
     """What ``update`` collected for one request."""
 
-    first_scheduled: bool
+    first_scheduled: float | None
+    """Request.scheduled_time on the request's first delta, else None."""
+    received: float | None = None
     samples: list[SampleDelta] = field(default_factory=list)
     prompt_logprobs: tuple[int, tuple] | None = None
 
@@ -341,7 +344,11 @@ class Scheduler:
             t = touched.get(s.request_id)
             if t is None:
                 request = self._requests[s.request_id]
-                t = touched[s.request_id] = _Touched(first_scheduled=not request.started)
+                first = not request.started
+                t = touched[s.request_id] = _Touched(
+                    first_scheduled=request.scheduled_time if first else None,
+                    received=request.received_time if first else None,
+                )
                 request.started = True
             if s.seq_id in result.prompt_logprobs:
                 t.prompt_logprobs = (s.start_pos + 1, tuple(result.prompt_logprobs[s.seq_id]))
@@ -351,9 +358,10 @@ class Scheduler:
             elif seq.status is SequenceStatus.RUNNING:
                 self._offer_to_cache(seq)
         for rid, t in touched.items():
-            if t.samples or t.prompt_logprobs is not None or t.first_scheduled:
+            if t.samples or t.prompt_logprobs is not None or t.first_scheduled is not None:
                 deltas.append(RequestDelta(rid, tuple(t.samples), rid not in self._requests,
-                                           t.first_scheduled, t.prompt_logprobs))
+                                           first_scheduled=t.first_scheduled,
+                                           prompt_logprobs=t.prompt_logprobs, received=t.received))
         return deltas
 
     def _append(self, seq: Sequence, tok: SampledToken) -> SampleDelta:
@@ -557,6 +565,8 @@ class Scheduler:
         del self._waiting[seq.seq_id]
         self._running[seq.seq_id] = seq
         seq.status = SequenceStatus.RUNNING
+        if request.scheduled_time is None:  # the first admission (not a re-admission after preemption)
+            request.scheduled_time = time.monotonic()
         self._schedule_running(seq, step)
 
     # ---------------------------------------------------------------- helpers

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 
 import torch
@@ -160,7 +161,7 @@ class EngineCore:
         if self.scheduler.get_request(req.request_id) is not None or self.structured.is_parked(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use; ids must be unique")
         request = Request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                          arrival_time=req.arrival_time)
+                          arrival_time=req.arrival_time, received_time=time.monotonic())
         for s in request.seqs:
             s.arrival_time = req.arrival_time
         if req.params.structured is None:

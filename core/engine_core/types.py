@@ -56,8 +56,10 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """New tokens, at most one per sample per step."""
     finished: bool = False
     """Every sample has finished in the engine core; the request is forgotten there."""
-    first_scheduled: bool = False
-    """This step computed the request's first tokens (for queue-time metrics)."""
+    first_scheduled: float | None = None
+    """On the delta of the step that computed the request's first tokens: when the engine
+    core scheduled that step (``time.monotonic()``, CLOCK_MONOTONIC: comparable across
+    processes); None on every other delta."""
     prompt_logprobs: tuple[int, tuple[dict[int, Logprob], ...]] | None = None
     """(first prompt position, entries): prompt logprobs computed this step; entry k
     belongs to prompt token ``first + k``."""
@@ -66,6 +68,10 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     every unfinished sample ends with finish_reason 'abort'."""
     pooled: tuple[float, ...] | None = None
     """A pooling request's vector, on the delta of the step that finished its prompt."""
+    received: float | None = None
+    """With ``first_scheduled``: when the engine core took the request (``time.monotonic()``):
+    arrival -> received is the front end's tokenization and the IPC, received ->
+    first_scheduled the wait in the engine core."""
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

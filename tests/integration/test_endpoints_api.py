@@ -213,11 +213,13 @@ def test_request_histograms_follow_the_requests(server):
     # one inter-token gap per token after each sample's first
     assert delta("core:inter_token_latency_seconds_count") == sum(u["completion_tokens"] - 1 for u in usages)
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
+                 "request_front_end_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
         assert delta(f"core:{name}_count") == 3, name
     # queue + prefill + decode is the end-to-end time (the same timestamps, split)
     parts = sum(delta(f"core:request_{k}_time_seconds_sum") for k in ("queue", "prefill", "decode"))
     assert parts == pytest.approx(delta("core:e2e_request_latency_seconds_sum"), abs=1e-6)
+    # the engine core's receipt (its own clock) comes before its scheduling of the request
+    assert delta("core:request_front_end_time_seconds_sum") <= delta("core:request_queue_time_seconds_sum")
     assert delta("core:request_success_total", finished_reason="length") == 3
     assert 0.0 <= _value(after, "core:kv_cache_usage_perc") <= 1.0
     assert 0.0 <= _value(after, "core:prefix_cache_hit_rate") <= 1.0

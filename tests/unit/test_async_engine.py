@@ -104,6 +104,20 @@ def test_streams_are_complete_and_match_the_in_process_engine(engine, model_dir)
     assert engine.snapshot.generation_tokens >= 12 * 10
 
 
+def test_the_engine_cores_time_stamps_order_with_the_front_ends(engine):
+    """The engine core stamps its receipt of a request and the step that first ran it with
+    its own clock (another process); they must fall between the front end's arrival and
+    first token, in order, on every request of a concurrent burst."""
+    async def run():
+        return await asyncio.gather(*(_collect(engine, f"stamp {i}", _greedy(4)) for i in range(8)))
+
+    for outs in asyncio.run(run()):
+        m = outs[-1].metrics
+        assert None not in (m.engine_received_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
+        assert m.arrival_time <= m.engine_received_time <= m.first_scheduled_time <= m.first_token_time \
+            <= m.finished_time, m
+
+
 def test_consumer_leaving_early_aborts_and_frees_blocks(engine, fresh):
     async def run():
         gen = engine.generate("leave early", _greedy(100))

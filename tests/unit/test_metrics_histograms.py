@@ -42,9 +42,10 @@ def test_an_aborted_request_is_forgotten(metrics):
 
 def test_finished_request_latencies_split_end_to_end(metrics):
     times = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.25, first_token_time=101.0,
-                           finished_time=103.0)
+                           finished_time=103.0, engine_received_time=100.125)
     metrics.on_finished(_out("c", [1, 2, 3, 4, 5], True, times, prompt=tuple(range(7))))
-    expected = {"request_queue_time_seconds": 0.25, "request_prefill_time_seconds": 0.75,
+    expected = {"request_queue_time_seconds": 0.25, "request_front_end_time_seconds": 0.125,
+                "request_prefill_time_seconds": 0.75,
                 "request_decode_time_seconds": 2.0, "request_inference_time_seconds": 2.75,
                 "time_to_first_token_seconds": 1.0, "e2e_request_latency_seconds": 3.0,
                 "time_per_output_token_seconds": 0.5}

@@ -450,6 +450,9 @@ def _pressure(mode: str, policy: str, host: int = 8):
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_order_and_unchanged_outputs(policy: str, mode: str):
     eng, a, b, c = _pressure(mode, policy)
+    victim_request = eng.sched.get_request((c if policy == "fcfs" else b).request_id)
+    admitted = victim_request.scheduled_time  # the first admission's time stamp (metrics)
+    assert admitted is not None
     out = eng.step()
     # FCFS preempts the newest arrival (C); priority the highest priority value (B).
     victim = c if policy == "fcfs" else b
@@ -470,6 +473,7 @@ def test_preemption_order_and_unchanged_outputs(policy: str, mode: str):
     for rid in "ABC":
         assert eng.outputs(rid) == eng.expected(rid)
     eng.assert_all_free()
+    assert victim_request.scheduled_time == admitted  # re-admission keeps the first stamp
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
@@ -788,7 +792,7 @@ def test_update_applies_the_token_level_stops(params, tokens, reason, stop_reaso
         deltas = _step_with(sched, {"r": tok})
         steps += 1
         assert len(deltas) == 1 and deltas[0].request_id == "r"
-        assert deltas[0].first_scheduled == (steps == 1)
+        assert (deltas[0].first_scheduled is not None) == (steps == 1)
         got += deltas[0].samples
     assert len(got) == n_out and all(d.logprob == -0.5 for d in got)
     assert [d.finish_reason for d in got] == [None] * (n_out - 1) + [reason]
@@ -800,9 +804,9 @@ def test_stop_sample_finishes_one_sample_and_the_rest_run_on():
     sched = _sched()
     sched.add_request(Request("r", tuple(prompt(6)), SamplingParams(n=3, max_tokens=4)))
     deltas = _step_with(sched, {"r": [10, 11, 12]})  # the prompt but its last token
-    assert deltas[0].samples == () and deltas[0].first_scheduled
+    assert deltas[0].samples == () and deltas[0].first_scheduled is not None
     deltas = _step_with(sched, {"r": [10, 11, 12]})  # forked: each sample's first token
-    assert sorted(d.index for d in deltas[0].samples) == [0, 1, 2] and not deltas[0].first_scheduled
+    assert sorted(d.index for d in deltas[0].samples) == [0, 1, 2] and deltas[0].first_scheduled is None
     sched.stop_sample("r", 1)  # the front end matched a stop string in sample 1
     sched.stop_sample("r", 1)  # idempotent
     seen = []

@@ -96,8 +96,12 @@ class Metrics:
         self.tpot = hist("core:time_per_output_token_seconds",
                          "Mean time between output tokens of a request, after the first.", _TPOT_BUCKETS)
         self.e2e = hist("core:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
-        self.queue = hist("core:request_queue_time_seconds", "Arrival to the step that first ran the request.",
+        self.queue = hist("core:request_queue_time_seconds",
+                          "Arrival to the engine core's scheduling of the step that first ran the request.",
                           _LATENCY_BUCKETS)
+        self.front_end = hist("core:request_front_end_time_seconds",
+                              "Arrival to the engine core's receipt: tokenization, validation and the IPC.",
+                              _LATENCY_BUCKETS)
         self.prefill = hist("core:request_prefill_time_seconds",
                             "First scheduled to first token: computing the prompt.", _LATENCY_BUCKETS)
         self.decode = hist("core:request_decode_time_seconds", "First token to finish: generating the rest.",
@@ -115,7 +119,7 @@ class Metrics:
                                    ["model_name", "status"], registry=r)
         # Series exist from the first scrape (zeros), not from the first request: dashboards
         # and alerts see "no traffic yet" rather than "no such metric".
-        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.front_end, self.prefill, self.decode,
                        self.inference, self.prompt_len, self.gen_len, self.n):
             metric.labels(model_name)
         for reason in ("stop", "length", "abort"):
@@ -157,7 +161,9 @@ class Metrics:
         if m is None:
             return
         scheduled, first, done = m.first_scheduled_time, m.first_token_time, m.finished_time
-        for hist, start, end in ((self.queue, m.arrival_time, scheduled), (self.ttft, m.arrival_time, first),
+        for hist, start, end in ((self.queue, m.arrival_time, scheduled),
+                                 (self.front_end, m.arrival_time, m.engine_received_time),
+                                 (self.ttft, m.arrival_time, first),
                                  (self.e2e, m.arrival_time, done), (self.prefill, scheduled, first),
                                  (self.decode, first, done), (self.inference, scheduled, done)):
             if start is not None and end is not None:
