@@ -11,6 +11,11 @@ prompts once per rate, in order, for a throughput-vs-rate curve (``--plot``).
 Per request: TTFT (send to first streamed token), TPOT ((end - first token) / (tokens - 1)),
 end-to-end latency. Online, times are measured by the client (they include HTTP and
 streaming); offline (``--offline``), they come from the engine's RequestMetrics.
+
+Online against ``core serve``, the report also has ``server_ms``: the server's own mean
+split of a request over the timed run (front end -> engine core, queue, prefill, TTFT,
+decode, end to end), from its ``/metrics`` histograms read before and after the run (so
+another client's traffic meanwhile would be counted too; ``requests`` says how many).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import math
 import platform as host
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -55,6 +61,49 @@ class RequestResult:
         if self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+SERVER_SPLIT = {
+    "front_end": "core:request_front_end_time_seconds",
+    "queue": "core:request_queue_time_seconds",
+    "prefill": "core:request_prefill_time_seconds",
+    "ttft": "core:time_to_first_token_seconds",
+    "decode": "core:request_decode_time_seconds",
+    "e2e": "core:e2e_request_latency_seconds",
+}
+"""``server_ms`` key -> the ``core serve`` histogram (seconds, one observation per finished
+request) whose mean over the run it reports."""
+
+_SAMPLE = re.compile(r"^(core:[a-z0-9_]+)_(sum|count)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
+
+
+def histogram_totals(exposition: str) -> dict[str, list[float]]:
+    """``{name: [sum, count]}`` of every ``core:`` histogram in a Prometheus text exposition,
+    added over its label sets."""
+    totals: dict[str, list[float]] = {}
+    for line in exposition.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            totals.setdefault(m.group(1), [0.0, 0.0])[m.group(2) == "count"] += float(m.group(3))
+    return totals
+
+
+def server_split(before: str, after: str) -> dict | None:
+    """Mean milliseconds per request of each :data:`SERVER_SPLIT` histogram between two
+    scrapes, and ``requests`` (how many finished in between); None when the server does not
+    export them (not ``core serve``) or none finished."""
+    b, a = histogram_totals(before), histogram_totals(after)
+    if any(name not in a for name in SERVER_SPLIT.values()):
+        return None
+    count = a[SERVER_SPLIT["ttft"]][1] - b.get(SERVER_SPLIT["ttft"], [0.0, 0.0])[1]
+    if count <= 0:
+        return None
+    split: dict = {"requests": int(count)}
+    for key, name in SERVER_SPLIT.items():
+        s0, n0 = b.get(name, [0.0, 0.0])
+        s1, n1 = a[name]
+        split[key] = round(1000 * (s1 - s0) / (n1 - n0), 2) if n1 > n0 else None
+    return split
 
 
 def make_workload(ns, request_rate: float) -> tuple[list[list[int]], list[float]]:
@@ -168,7 +217,19 @@ async def _served_model(client, ns) -> str:
     return ns.served_model or resp.json()["data"][0]["id"]
 
 
-async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tuple[list[RequestResult], float, str]:
+async def _scrape_metrics(client) -> str | None:
+    """The server's ``/metrics`` text, or None where it has none (another server, an error)."""
+    import httpx2
+
+    try:
+        resp = await client.get("/metrics")
+    except httpx2.TransportError:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+async def _run_online(ns, prompts: list[list[int]],
+                      arrivals: list[float]) -> tuple[list[RequestResult], float, str, dict | None]:
     import httpx2
 
     # one INFO line per request from the HTTP client would bury the report (CORE_LOG_LEVEL=DEBUG shows them)
@@ -189,6 +250,9 @@ async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tu
         if not warm.ok:
             raise ValueError(f"the warm-up request to {ns.base_url} failed: {warm.error}")
         limit = asyncio.Semaphore(ns.max_concurrency or len(prompts))
+        # a finished request's histograms are recorded before its stream ends, so between
+        # these two scrapes lie exactly the timed requests (when no one else is served)
+        before = await _scrape_metrics(client)
         t0 = time.perf_counter()
 
         async def launch(prompt: list[int], at: float) -> RequestResult:
@@ -200,7 +264,10 @@ async def _run_online(ns, prompts: list[list[int]], arrivals: list[float]) -> tu
 
         with bar(len(prompts), "requests", unit="req") as done:
             results = await asyncio.gather(*(launch(p, a) for p, a in zip(prompts, arrivals)))
-        return list(results), time.perf_counter() - t0, model
+        elapsed = time.perf_counter() - t0
+        after = await _scrape_metrics(client) if before is not None else None
+        split = server_split(before, after) if after is not None else None
+        return list(results), elapsed, model, split
 
 
 # ---- offline --------------------------------------------------------------------------------
@@ -263,12 +330,15 @@ def run_serve_bench(ns) -> int:
             _warm_up_offline(engine, make_workload(ns, math.inf)[0][0], ns)
         for rate in ns.request_rate:
             prompts, arrivals = make_workload(ns, rate)
+            split = None
             with frozen_heap():  # no full collection of this process inside the timed run
                 if engine is not None:
                     results, elapsed, model = _run_offline(engine, ns, prompts, arrivals)
                 else:
-                    results, elapsed, model = asyncio.run(_run_online(ns, prompts, arrivals))
+                    results, elapsed, model, split = asyncio.run(_run_online(ns, prompts, arrivals))
             reports.append(_report(ns, rate, model, summarize(results, elapsed)))
+            if split is not None:
+                reports[-1]["server_ms"] = split
             if ns.save_detailed:
                 reports[-1]["requests"] = per_request(results)
             all_results.append(results)
@@ -303,6 +373,10 @@ def _print(r: dict) -> None:
         if name in r:
             s = r[name]
             print(f"  {name:<8} mean {s['mean']:>9.1f}  p50 {s['p50']:>9.1f}  p90 {s['p90']:>9.1f}  p99 {s['p99']:>9.1f}")
+    if "server_ms" in r:
+        s = r["server_ms"]
+        print("  server   " + ", ".join(f"{k} {s[k]}" for k in SERVER_SPLIT if s.get(k) is not None)
+              + f" (mean ms over {s['requests']} requests, from /metrics)")
     for e in r.get("errors", []):
         print(f"  error: {e}")
 

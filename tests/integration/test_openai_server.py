@@ -486,6 +486,13 @@ def test_bench_serve_online_and_offline(server, model_dir, tmp_path, caplog):
         assert len(reqs) == 6 and all(q["ok"] and q["output_tokens"] == 8 for q in reqs)
         assert all(0 < q["ttft_ms"] <= q["e2e_ms"] and 0 <= q["sent_s"] <= r["elapsed_s"] for q in reqs)
         assert max(q["ttft_ms"] for q in reqs) == pytest.approx(r["ttft_ms"]["p99"], rel=0.05, abs=1.0)
+    # online, the server's own split of the same six requests (from /metrics): in order, and
+    # inside what the client saw (its clock starts before the send and stops after the receipt)
+    split = json.loads((tmp_path / "on.json").read_text())["server_ms"]
+    assert split["requests"] == 6
+    assert 0 <= split["front_end"] <= split["queue"] <= split["ttft"] <= split["e2e"]
+    assert split["ttft"] <= json.loads((tmp_path / "on.json").read_text())["ttft_ms"]["mean"] + 0.01
+    assert "server_ms" not in json.loads((tmp_path / "off.json").read_text())
 
 
 def test_bench_serve_reports_the_servers_refusal(server, tmp_path, capsys):
