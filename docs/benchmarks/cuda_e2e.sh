@@ -116,7 +116,7 @@ for name in ("serve_r4", "serve_r16", "serve_r32", "serve_inf"):
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, "
               f"TPOT p50 {r.get('tpot_ms', {}).get('p50')} ms p99 {r.get('tpot_ms', {}).get('p99')}, "
               f"TTFT p50 {r.get('ttft_ms', {}).get('p50')} ms p99 {r.get('ttft_ms', {}).get('p99')}, "
-              f"failed {r['failed']}")
+              f"failed {r['failed']}; server (mean ms) {r.get('server_ms')}")
 for r in load("model_step") or []:
     print(r["variant"], "capture_all", r.get("capture_all_s"), "s;", "prefill", r["prefill"])
     for row in r["decode"]:
