@@ -280,10 +280,7 @@ struct MmaActivations<Fp16> {
   __device__ __forceinline__ static int load(const uint16_t* row, uint32_t (&w)[16]) {
     const uint4* v = reinterpret_cast<const uint4*>(row);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 q = __ldg(v + i);
-      w[4 * i] = q.x, w[4 * i + 1] = q.y, w[4 * i + 2] = q.z, w[4 * i + 3] = q.w;
-    }
+    for (int i = 0; i < 4; ++i) unpack_words(__ldg(v + i), *reinterpret_cast<uint32_t(*)[4]>(w + 4 * i));
     return 0;
   }
 };
@@ -296,14 +293,9 @@ struct MmaActivations<Bf16> {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint4 q = __ldg(v + i);
-      const uint32_t b[4] = {q.x, q.y, q.z, q.w};
+      Bf16::to_float(__ldg(v + i), *reinterpret_cast<float(*)[Bf16::kVec]>(f + 8 * i));
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        f[8 * i + 2 * j] = __uint_as_float(b[j] << 16);
-        f[8 * i + 2 * j + 1] = __uint_as_float(b[j] & 0xffff0000u);
-        amax = fmaxf(amax, fmaxf(fabsf(f[8 * i + 2 * j]), fabsf(f[8 * i + 2 * j + 1])));
-      }
+      for (int j = 0; j < 8; j += 2) amax = fmaxf(amax, fmaxf(fabsf(f[8 * i + j]), fabsf(f[8 * i + j + 1])));
     }
     // The quad's lanes hold the row's 128 inputs of this trip.
     amax = fmaxf(amax, warp_shfl_xor(amax, 1));
