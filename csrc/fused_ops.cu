@@ -59,8 +59,60 @@ __device__ float block_sum(float v, float* scratch) {
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
-// One CTA per row. Pass 1 forms the normed input (x, or round(x + residual), written to
-// residual_out) and its sum of squares; pass 2 re-reads it (from L1/L2) and scales.
+// One CTA per row. Rows of at most kVecs vectors per thread stay in registers between the sum of
+// squares and the scaling (rms_norm_reg_kernel: one read of the row, the weight read while
+// waiting for the previous kernel); longer rows take two passes (rms_norm_kernel: the second
+// re-reads the normed input from L1/L2). Both give the same floats: the same sums in the same
+// order.
+//
+// Both run under programmatic dependent launch (launch_dependent): x and residual come from the
+// previous kernel and are read only after grid_dependency_wait(); the weight is a parameter no
+// kernel writes, so rms_norm_reg_kernel loads it first, overlapping that kernel's tail.
+template <typename T, int kVecs>
+__global__ void __launch_bounds__(kThreads) rms_norm_reg_kernel(const RmsNormArgs a) {
+  __shared__ float scratch[kThreads / kWarpSize];
+  constexpr int V = T::kVec;
+  const int row = blockIdx.x;
+  const int vecs = a.hidden / V;
+  const bool fused = a.residual != nullptr;
+  float w[kVecs][V], x[kVecs][V];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int v = threadIdx.x + i * kThreads;
+    if (v < vecs) load_vec<T>(a.weight, v * V, w[i]);
+  }
+  grid_dependency_wait();
+  allow_dependent_launch();
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int v = threadIdx.x + i * kThreads;
+    if (v >= vecs) continue;
+    load_vec<T>(a.x, row * a.x_stride + v * V, x[i]);
+    if (fused) {
+      float r[V];
+      load_vec<T>(a.residual, row * a.residual_stride + v * V, r);
+#pragma unroll
+      for (int k = 0; k < V; ++k) x[i][k] += r[k];
+      round_vec<T>(x[i]);  // the sum is stored in T, and the norm sees the stored value
+      store_vec<T>(a.residual_out, int64_t(row) * a.hidden + v * V, x[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss += x[i][k] * x[i][k];
+  }
+  const float inv_rms = rsqrtf(block_sum(ss, scratch) * (1.f / a.hidden) + a.eps);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int v = threadIdx.x + i * kThreads;
+    if (v >= vecs) continue;
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[i][k] = (x[i][k] * inv_rms) * w[i][k];
+    store_vec<T>(a.out, row * a.out_stride + v * V, x[i]);
+  }
+}
+
+// Rows longer than 4 vectors per thread. Pass 1 forms the normed input (x, or round(x +
+// residual), written to residual_out) and its sum of squares; pass 2 re-reads it and scales.
 template <typename T>
 __global__ void rms_norm_kernel(const RmsNormArgs a) {
   __shared__ float scratch[kThreads / kWarpSize];
@@ -71,6 +123,8 @@ __global__ void rms_norm_kernel(const RmsNormArgs a) {
   const int64_t x_row = row * a.x_stride;
   const int64_t r_row = row * a.residual_stride;
   const int64_t s_row = int64_t(row) * a.hidden;  // residual_out is contiguous
+  grid_dependency_wait();
+  allow_dependent_launch();
   float ss = 0.f;
   for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
     float x[V];
@@ -105,6 +159,8 @@ __global__ void silu_and_mul_kernel(const SiluAndMulArgs a) {
   constexpr int V = T::kVec;
   const int vecs = a.d / V;
   const int64_t total = int64_t(a.rows) * vecs;
+  grid_dependency_wait();  // x comes from the previous kernel (launch_dependent)
+  allow_dependent_launch();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / vecs;
@@ -122,7 +178,8 @@ __global__ void silu_and_mul_kernel(const SiluAndMulArgs a) {
 }
 
 // ---- rotary embedding ------------------------------------------------------------------------
-// One CTA per token; a work item is one 16-byte vector of x1 (and its partner in x2) of one
+// One CTA per token (the paged decode kernel that follows it overlaps its tail: it waits for
+// this kernel only before reading q and the new key); a work item is one 16-byte vector of x1 (and its partner in x2) of one
 // head, or one vector of the unrotated tail.
 template <typename T>
 __global__ void rotary_kernel(const RotaryArgs a) {
@@ -133,6 +190,8 @@ __global__ void rotary_kernel(const RotaryArgs a) {
   const int tail_vecs = (a.head_size - a.rotary_dim) / V;
   const int per_head = rot_vecs + tail_vecs;
   const int items = (a.num_heads + a.num_kv_heads) * per_head;
+  grid_dependency_wait();  // query and key come from the previous kernel (launch_dependent)
+  allow_dependent_launch();
   const float* cs = a.cos_sin + a.positions[t] * a.rotary_dim;
   for (int it = threadIdx.x; it < items; it += blockDim.x) {
     int h = it / per_head;
@@ -171,23 +230,26 @@ int elementwise_blocks(int64_t items) {
   return static_cast<int>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
 }
 
+// Every launch is a launch_dependent: each kernel waits for the previous one before reading
+// its results, and lets the next one start early (cuda_compat.h).
 template <typename T>
 cudaError_t launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
-  rms_norm_kernel<T><<<a.rows, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  const int per_thread = (a.hidden / T::kVec + kThreads - 1) / kThreads;
+  if (per_thread <= 1) return launch_dependent(rms_norm_reg_kernel<T, 1>, a.rows, kThreads, 0, stream, a);
+  if (per_thread <= 2) return launch_dependent(rms_norm_reg_kernel<T, 2>, a.rows, kThreads, 0, stream, a);
+  if (per_thread <= 4) return launch_dependent(rms_norm_reg_kernel<T, 4>, a.rows, kThreads, 0, stream, a);
+  return launch_dependent(rms_norm_kernel<T>, a.rows, kThreads, 0, stream, a);
 }
 
 template <typename T>
 cudaError_t launch_silu_and_mul(const SiluAndMulArgs& a, cudaStream_t stream) {
   const int blocks = elementwise_blocks(int64_t(a.rows) * (a.d / T::kVec));
-  silu_and_mul_kernel<T><<<blocks, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_dependent(silu_and_mul_kernel<T>, blocks, kThreads, 0, stream, a);
 }
 
 template <typename T>
 cudaError_t launch_rotary(const RotaryArgs& a, cudaStream_t stream) {
-  rotary_kernel<T><<<a.tokens, 128, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_dependent(rotary_kernel<T>, a.tokens, 128, 0, stream, a);
 }
 
 }  // namespace

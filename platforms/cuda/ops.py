@@ -40,11 +40,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _norm_weight(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """The kernels read the weight before waiting for the kernel that produced ``x``
+    (csrc/fused_ops.cu), so it must be usable as it is: a contiguous parameter, never a copy
+    made just before the call."""
+    return weight.dtype == x.dtype and weight.is_contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not (x.is_contiguous() and _vector_rows(x) and weight.dtype == x.dtype):
+    if not (x.is_contiguous() and _vector_rows(x) and _norm_weight(weight, x)):
         return reference.rms_norm(x, weight, eps)
     out = torch.empty_like(x)
-    load_ops().rms_norm(_rows(out), _rows(x), weight.contiguous(), eps)
+    load_ops().rms_norm(_rows(out), _rows(x), weight, eps)
     return out
 
 
@@ -54,14 +61,14 @@ def fused_add_rms_norm(
     fits = (
         x.is_contiguous() and residual.is_contiguous() and _vector_rows(x)
         and _vector_rows(residual) and x.shape == residual.shape
-        and residual.dtype == x.dtype and weight.dtype == x.dtype
+        and residual.dtype == x.dtype and _norm_weight(weight, x)
     )
     if not fits:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     out = torch.empty_like(x)
     new_residual = torch.empty_like(x)
     load_ops().fused_add_rms_norm(
-        _rows(out), _rows(new_residual), _rows(x), _rows(residual), weight.contiguous(), eps
+        _rows(out), _rows(new_residual), _rows(x), _rows(residual), weight, eps
     )
     return out, new_residual
 
