@@ -49,6 +49,19 @@ struct DecodeArgs {
   float v_scale;       // multiplies the output: the fp8 cache's value scale, else 1
   DType dtype;         // of query and out (and of the cache unless kv_fp8)
   int kv_fp8;          // 1: the cache holds float8 e4m3 codes (core/quantization/kv_cache.py)
+  // Fused cache write (paged_decode_and_cache; null new_key: the cache already holds every
+  // token). Each sequence's newest token (position seq_lens - 1) has its key/value rows
+  // [num_kv_heads, head_size] here, written to the cache at slot_mapping[seq] (< 0: padding,
+  // not written) by the CTAs whose range ends the context, before they read that position.
+  // Not with an fp8 cache (its write quantizes: reshape_and_cache).
+  const void* new_key;
+  const void* new_value;
+  const int64_t* slot_mapping;  // [num_seqs]
+  int64_t nk_stride_tok, nk_stride_head, nv_stride_tok, nv_stride_head;
+  // 1: launched under programmatic dependent launch, overlapping the previous kernel (the
+  // rotary embedding that produced q and the new key). The kernel reads seq_lens and
+  // block_tables before waiting for that kernel, so they must be ready before it was launched.
+  int overlap_previous;
 };
 
 // Launches v1 (args.partition == 0) or v2 (split-KV kernel + reduce kernel). Returns the

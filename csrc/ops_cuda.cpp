@@ -187,10 +187,12 @@ void check_decode_inputs(const at::Tensor& out, const at::Tensor& query, const a
                   block_tables.size(0), " rows and seq_lens ", seq_lens.size(0), " entries"));
 }
 
-void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                  int64_t max_seq_len, int64_t partition_size, int64_t sliding_window,
-                  double logits_soft_cap, double k_scale, double v_scale) {
+// Fills the decode arguments `a` leaves open, allocates v2's scratch and launches.
+void launch_decode(core_kernels::DecodeArgs& a, at::Tensor& out, const at::Tensor& query,
+                   const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                   int64_t partition_size, int64_t sliding_window, double logits_soft_cap,
+                   double k_scale, double v_scale, const char* op) {
   check_decode_inputs(out, query, kv_cache, block_tables, seq_lens);
   const bool fp8 = is_fp8_cache(kv_cache);
   if (fp8) {
@@ -204,7 +206,6 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
                   " must be 0 (single pass) or a positive multiple of 16"));
   const at::Tensor lens = seq_lens.contiguous();
   const c10::cuda::CUDAGuard guard(kv_cache.device());
-  core_kernels::DecodeArgs a{};
   a.out = out.data_ptr();
   a.query = query.data_ptr();
   a.kv_cache = kv_cache.data_ptr();
@@ -248,7 +249,63 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     a.part_sum = part_sum.data_ptr<float>();
     a.max_parts = static_cast<int>(parts);
   }
-  check_launch(core_kernels::paged_decode(a, c10::cuda::getCurrentCUDAStream()), "paged_decode");
+  check_launch(core_kernels::paged_decode(a, c10::cuda::getCurrentCUDAStream()), op);
+}
+
+void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                  int64_t max_seq_len, int64_t partition_size, int64_t sliding_window,
+                  double logits_soft_cap, double k_scale, double v_scale) {
+  core_kernels::DecodeArgs a{};
+  launch_decode(a, out, query, kv_cache, block_tables, seq_lens, scale, max_seq_len,
+                partition_size, sliding_window, logits_soft_cap, k_scale, v_scale, "paged_decode");
+}
+
+// paged_decode that first stores each sequence's newest token (key/value [seqs, kv_heads,
+// head_size], slot_mapping [seqs]) in the cache, as reshape_and_cache would, inside the decode
+// kernel (one launch instead of two), and overlaps the previous kernel under programmatic
+// dependent launch: block_tables, seq_lens and slot_mapping are read before waiting for it, so
+// they must not be written by the kernel just before (the step's metadata never is).
+void paged_decode_and_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& slot_mapping,
+                            at::Tensor& kv_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                            int64_t partition_size, int64_t sliding_window,
+                            double logits_soft_cap) {
+  check_cache(kv_cache);
+  TORCH_CHECK(!is_fp8_cache(kv_cache),
+              "paged_decode_and_cache does not write fp8 caches (their write quantizes): use "
+              "reshape_and_cache, then paged_decode");
+  check_rows(key, "key");
+  check_rows(value, "value");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) &&
+                  key.size(1) == kv_cache.size(2) && key.size(2) == kv_cache.size(4),
+              msg("key ", key.sizes(), " and value ", value.sizes(), " must be [", query.size(0),
+                  ", ", kv_cache.size(2), ", ", kv_cache.size(4),
+                  "]: one new token per decoded sequence"));
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type() &&
+                  key.device() == kv_cache.device() && value.device() == kv_cache.device(),
+              msg("key/value must have the cache's dtype ", kv_cache.scalar_type(),
+                  " and device ", kv_cache.device()));
+  check_int_vector(slot_mapping, "slot_mapping", at::kLong, 1, kv_cache.device());
+  TORCH_CHECK(slot_mapping.is_contiguous() && seq_lens.is_contiguous() &&
+                  slot_mapping.size(0) == query.size(0),
+              msg("slot_mapping (", slot_mapping.size(0), " entries for ", query.size(0),
+                  " sequences) and seq_lens must be contiguous: the kernel reads them before "
+                  "waiting for the previous kernel, so no copy may be made here"));
+  core_kernels::DecodeArgs a{};
+  a.new_key = key.data_ptr();
+  a.new_value = value.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  a.nk_stride_tok = key.stride(0);
+  a.nk_stride_head = key.stride(1);
+  a.nv_stride_tok = value.stride(0);
+  a.nv_stride_head = value.stride(1);
+  a.overlap_previous = 1;
+  launch_decode(a, out, query, kv_cache, block_tables, seq_lens, scale, max_seq_len,
+                partition_size, sliding_window, logits_soft_cap, 1.0, 1.0,
+                "paged_decode_and_cache");
 }
 
 // [n, 2] int64 (src, dst) block pairs; validated against num_blocks when on the host.
@@ -314,6 +371,7 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_and_cache", &paged_decode_and_cache);
   m.impl("copy_blocks", &copy_blocks);
   m.impl("swap_blocks", &swap_blocks);
 }

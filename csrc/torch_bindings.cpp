@@ -14,6 +14,11 @@ TORCH_LIBRARY(core_C, m) {
       "paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int max_seq_len, int partition_size, "
       "int sliding_window, float logits_soft_cap=0.0, float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def(
+      "paged_decode_and_cache(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
+      "Tensor slot_mapping, Tensor(b!) kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, int max_seq_len, int partition_size, int sliding_window, "
+      "float logits_soft_cap=0.0) -> ()");
   m.def("copy_blocks(Tensor(a!)[] kv_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
 }

@@ -28,7 +28,8 @@ from platforms import jit_build
 from platforms.gpu_sources import CSRC_DIR, kernel_sources, source_files
 from platforms.jit_build import JitSpec
 
-OPS = ("reshape_and_cache", "paged_decode", "copy_blocks", "swap_blocks", "sample_rows")
+OPS = ("reshape_and_cache", "paged_decode", "paged_decode_and_cache", "copy_blocks", "swap_blocks",
+       "sample_rows")
 """Ops a built library must register before it is cached (namespace ``core_C``)."""
 
 _LOADED: dict[str, Any] = {}

@@ -31,6 +31,8 @@
 // paged_decode_fp8_mma.cuh.)
 #pragma once
 
+#include <type_traits>
+
 #include "../cuda_compat.h"
 #include "../dtype_traits.cuh"
 #include "../launchers.h"

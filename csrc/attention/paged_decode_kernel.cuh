@@ -76,6 +76,34 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float
   store_merged<QT, W, kGroup, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part);
 }
 
+// The newest token of sequence `seq` (DecodeArgs::new_key) into the cache at `slot`: the key and
+// value rows of this CTA's kv head, one 16-byte chunk per thread. The barrier orders the
+// stores before every copy this CTA issues afterwards (the copies read L2, where the stores
+// land). CTAs of other query-head tiles of the same kv head store the same bytes.
+template <typename Sh>
+__device__ __forceinline__ void write_new_token(const DecodeArgs& a, int seq, int kv_head,
+                                                int64_t slot) {
+  constexpr int kChunks = Sh::kRowChunks;
+  static_assert(2 * kChunks <= Sh::kThreads, "one chunk of the key or value row per thread");
+  const int i = threadIdx.x;
+  if (slot >= 0 && i < 2 * kChunks) {
+    const bool value = i >= kChunks;
+    const auto* src = static_cast<const typename Sh::S*>(value ? a.new_value : a.new_key) +
+                      seq * (value ? a.nv_stride_tok : a.nk_stride_tok) +
+                      kv_head * (value ? a.nv_stride_head : a.nk_stride_head);
+    const int64_t row = int64_t(kChunks) * Sh::kVec;
+    const int64_t head_stride = a.block_size * row;
+    const int64_t kv_stride = head_stride * a.num_kv_heads;
+    // The cache is the kernel's input everywhere else; this store is the op's declared write.
+    auto* dst = static_cast<typename Sh::S*>(const_cast<void*>(a.kv_cache)) +
+                (slot >> a.block_shift) * 2 * kv_stride + (value ? kv_stride : 0) +
+                kv_head * head_stride + (slot & (a.block_size - 1)) * row;
+    const int chunk = value ? i - kChunks : i;
+    reinterpret_cast<uint4*>(dst)[chunk] = reinterpret_cast<const uint4*>(src)[chunk];
+  }
+  __syncthreads();
+}
+
 template <typename QT, typename CT, int kHead, int kGroup>
 __global__ void __launch_bounds__(DecodeShape<CT, kHead, kGroup>::kThreads, 2)
     paged_decode_kernel(const DecodeArgs a) {
@@ -114,8 +142,16 @@ __global__ void __launch_bounds__(DecodeShape<CT, kHead, kGroup>::kThreads, 2)
     return i0 + lane < n_mine ? table[unit_token(i0 + lane) >> a.block_shift] : 0;
   };
   // Start-up latency: the block ids and q are requested together, the first copies go out
-  // as soon as the ids arrive, and q is converted while they are in flight.
+  // as soon as the ids arrive, and q is converted while they are in flight. The ids (step
+  // metadata) are requested before waiting for the previous kernel, which produced q and the
+  // new token (a no-op wait unless DecodeArgs::overlap_previous).
   int table_ids = load_ids(0);
+  const bool ends_context = len > 0 && end == len;  // this CTA's range holds the newest token
+  const int64_t new_slot = a.new_key != nullptr && ends_context ? a.slot_mapping[seq] : -1;
+  grid_dependency_wait();
+  if constexpr (std::is_same<QT, CT>::value) {
+    if (a.new_key != nullptr && ends_context) write_new_token<Sh>(a, seq, kv_head, new_slot);
+  }
   uint4 q_raw[kGroup][Sh::kChunksPerLane][kQueryWords<Sh, QT>];
   load_query<Sh, QT, kGroup>(a, seq, qh0, n_heads, lane_in_row, q_raw);
 
@@ -217,8 +253,12 @@ cudaError_t launch_paged_decode(const DecodeArgs& a, cudaStream_t stream) {
   const int group = a.num_q_heads / a.num_kv_heads;
   const int tiles = (group + kGroup - 1) / kGroup;
   const dim3 grid(a.partition ? a.max_parts : 1, a.num_kv_heads * tiles, a.num_seqs);
-  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(a);
-  err = cudaGetLastError();
+  if (a.overlap_previous) {
+    err = launch_dependent(kernel, grid, dim3(Sh::kThreads), Sh::kSmemBytes, stream, a);
+  } else {
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(a);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess || a.partition == 0) return err;
   const dim3 reduce_grid(a.num_q_heads, a.num_seqs);
   return launch_dependent(paged_decode_reduce_kernel<QT, kHead>, reduce_grid, dim3(128),

@@ -104,6 +104,7 @@ class CudaPagedAttention(AttentionBackend):
         # the FP8 cache's scales (the ops ignore them over any other cache)
         self._scales = (spec.k_scale, spec.v_scale) if spec.fp8_cache else (1.0, 1.0)
         self._ops = ops if ops is not None else load_ops()
+        self._fused_decode_write = not spec.fp8_cache
         self._num_sms: int | None = None
         self._varlen: bool | None = None  # decided on the first prompt (needs the device)
 
@@ -127,13 +128,36 @@ class CudaPagedAttention(AttentionBackend):
 
     # ---- attention ------------------------------------------------------------------------
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
-        if metadata.num_decode_tokens:
-            self.decode(query, kv_cache, metadata, out)
+        first, n = metadata.num_prefill_tokens, metadata.num_decode_tokens
+        if n and self._decode_writes(key, value, metadata):
+            # The decode kernel stores the decode rows' keys and values itself (one launch
+            # instead of two); the prompt rows go through the cache-write kernel.
+            if first:
+                self.write_kv(key[:first], value[:first], kv_cache, metadata.slot_mapping[:first])
+            rows = slice(first, first + n)
+            self.decode(query, kv_cache, metadata, out,
+                        new=(key[rows], value[rows], metadata.slot_mapping[rows]))
+        else:
+            self.write_kv(key, value, kv_cache, metadata.slot_mapping)
+            if n:
+                self.decode(query, kv_cache, metadata, out)
         if metadata.num_prefills:
             self._prefill(query, key, value, kv_cache, metadata, out)
         return out
+
+    def _decode_writes(self, key, value, md: AttentionMetadata) -> bool:
+        """Whether the decode kernel can store the decode rows' new tokens itself
+        (``paged_decode_and_cache``): a cache in the compute dtype (an fp8 cache's write
+        quantizes), 16-byte aligned rows, and exactly one slot per row (a shaped batch's
+        trailing padding rows go through the cache-write kernel)."""
+        return (
+            self._fused_decode_write
+            and md.slot_mapping.shape[0] == md.num_tokens
+            and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+                    and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+                    for t in (key, value))
+        )
 
     def decode_partition_for(self, md: AttentionMetadata, device: torch.device) -> int:
         """Partition length the decode rows of ``md`` run with (0 = v1)."""
@@ -149,15 +173,16 @@ class CudaPagedAttention(AttentionBackend):
         partition = self.decode_partition_for(md, md.block_tables.device)
         return f"v2/{partition}" if partition else "v1"
 
-    def decode(self, query, kv_cache, md: AttentionMetadata, out) -> None:
-        """Decode rows ``[num_prefill_tokens, num_tokens)`` of ``query`` into ``out``."""
+    def decode(self, query, kv_cache, md: AttentionMetadata, out, new=None) -> None:
+        """Decode rows ``[num_prefill_tokens, num_tokens)`` of ``query`` into ``out``.
+
+        :param new: None when the cache already holds every decode row's token; else that
+            token's ``(key, value, slot_mapping)`` rows, which the kernel stores in the cache
+            first (``paged_decode_and_cache``)."""
         first, n = md.num_prefill_tokens, md.num_decode_tokens
         seqs = slice(md.num_prefills, md.num_prefills + n)
         partition = self.decode_partition_for(md, query.device)
-        self._ops.paged_decode(
-            out[first : first + n],
-            query[first : first + n],
-            kv_cache,
+        common = (
             md.block_tables[seqs],
             md.seq_lens[seqs],
             self.spec.softmax_scale,
@@ -165,8 +190,12 @@ class CudaPagedAttention(AttentionBackend):
             partition,
             self.spec.sliding_window or 0,
             self.spec.logits_soft_cap or 0.0,
-            *self._scales,
         )
+        rows = slice(first, first + n)
+        if new is None:
+            self._ops.paged_decode(out[rows], query[rows], kv_cache, *common, *self._scales)
+        else:
+            self._ops.paged_decode_and_cache(out[rows], query[rows], *new, kv_cache, *common)
 
     def _sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:

@@ -1,4 +1,5 @@
-"""Paged decode kernels (v1 and v2) against core.attention.reference_attention.
+"""Paged decode kernels (v1 and v2) against core.attention.reference_attention, and the fused
+cache write of paged_decode_and_cache against reshape_and_cache + paged_decode.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda`` (the first test
 JIT-builds csrc/ unless the prebuilt extension is installed).
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from core.attention import reference_attention
-from tests.cuda.kv_helpers import TOLERANCE, poisoned_cache, rel_error, scatter_sequences
+from tests.cuda.kv_helpers import TOLERANCE, poisoned_cache, rel_error, scatter_sequences, slots_for
 
 pytestmark = [
     pytest.mark.cuda,
@@ -86,3 +87,97 @@ def test_bad_head_size_is_refused(ops):
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match="head size 96"):
         ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 1, 0, 0)
+
+
+def run_decode_and_cache(ops, dtype, head, group, partition, window=0, pad=(), seed=0, graph=False):
+    """paged_decode_and_cache on sequences whose newest token is not in the cache yet, next to
+    the two-launch path it replaces (reshape_and_cache, then paged_decode) on a copy of the
+    same cache. Rows in ``pad`` are padding (slot -1: nothing written, like a graph bucket's
+    padding rows). Returns (fused out, two-launch out, fused cache, two-launch cache, ref)."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, bs = 2, 16
+    lens = [1, 15, 16, 17, 100, 513, 1100]
+    cache = poisoned_cache(sum(-(-n // bs) for n in lens) + 7, bs, hkv, head, dtype)
+    paged = scatter_sequences(cache, lens, gen)
+    last = [n - 1 for n in lens]
+    newest = torch.stack([slots_for(paged.block_tables[i], p, 1, bs)[0] for i, p in enumerate(last)])
+    blocks, offs = (newest // bs).cuda(), (newest % bs).cuda()
+    cache[blocks, :, :, offs, :] = float("nan")  # the newest token is not in the cache yet
+    slots = newest.clone()
+    slots[list(pad)] = -1
+    key = torch.stack([k[-1] for k in paged.keys]).cuda()  # [seqs, hkv, head]
+    value = torch.stack([v[-1] for v in paged.values]).cuda()
+    two = cache.clone()
+    query = torch.randn(len(lens), hkv * group, head, generator=gen).to(dtype).cuda()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale, slots = head**-0.5, slots.cuda()
+    out = torch.full_like(query, float("nan"))
+    fused = lambda: ops.paged_decode_and_cache(out, query, key, value, slots, cache, paged.block_tables,  # noqa: E731
+                                               seq_lens, scale, max(lens), partition, window)
+    if graph:  # captured with its programmatic edge, replayed on fresh poison
+        fused()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused()
+        out.fill_(float("nan"))
+        cache[blocks, :, :, offs, :] = float("nan")
+        g.replay()
+    else:
+        fused()
+    want = torch.full_like(query, float("nan"))
+    ops.reshape_and_cache(key, value, two, slots)
+    ops.paged_decode(want, query, two, paged.block_tables, seq_lens, scale, max(lens), partition, window)
+    torch.cuda.synchronize()
+    ref = reference_attention(query.cpu(), paged.keys, paged.values, [1] * len(lens), scale, window or None)
+    return out.cpu(), want.cpu(), cache, two, ref
+
+
+@pytest.mark.parametrize("dtype,head", [(torch.bfloat16, 128), (torch.float16, 64),
+                                        (torch.float32, 128), (torch.bfloat16, 256)])
+@pytest.mark.parametrize("group", [1, 4, 16])  # 16: two CTAs (tiles of 8 heads) store each row
+@pytest.mark.parametrize("partition", [0, 32, 512], ids=["v1", "v2p32", "v2p512"])
+def test_decode_and_cache_equals_write_then_decode(ops, dtype, head, group, partition):
+    """The fused op stores each sequence's newest key/value where reshape_and_cache does (the
+    whole cache, poison included, ends up equal) and computes the same output bit for bit."""
+    out, want, cache, two, ref = run_decode_and_cache(ops, dtype, head, group, partition, seed=group)
+    assert torch.isfinite(out).all(), "the newest token was not in the cache when it was read"
+    assert torch.equal(out, want)
+    assert torch.equal(cache.isnan(), two.isnan()) and torch.equal(cache.nan_to_num(), two.nan_to_num())
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("partition", [0, 64], ids=["v1", "v2"])
+def test_decode_and_cache_skips_padding_rows_and_windows(ops, partition):
+    """Padding rows (slot -1) write nothing, so they read their still-poisoned newest slot
+    exactly as the two-launch path does; the sliding window changes nothing about the write."""
+    out, want, cache, two, _ = run_decode_and_cache(ops, torch.float32, 64, 4, partition, window=24,
+                                                    pad=(2, 5), seed=11)
+    assert torch.equal(cache.isnan(), two.isnan()) and torch.equal(cache.nan_to_num(), two.nan_to_num())
+    real = [i for i in range(out.shape[0]) if i not in (2, 5)]
+    assert torch.isfinite(out[real]).all() and torch.equal(out[real], want[real])
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+def test_decode_and_cache_in_a_cuda_graph(ops):
+    """Captured (the launch carries a programmatic dependency on the previous kernel) and
+    replayed after the cache slots and the output are poisoned again."""
+    out, want, cache, two, _ = run_decode_and_cache(ops, torch.bfloat16, 128, 4, 256, seed=21, graph=True)
+    assert torch.equal(out, want)
+    assert torch.equal(cache.isnan(), two.isnan()) and torch.equal(cache.nan_to_num(), two.nan_to_num())
+
+
+def test_decode_and_cache_refuses_an_fp8_cache_and_copied_metadata(ops):
+    cache = torch.zeros(4, 2, 2, 16, 64, dtype=torch.float8_e4m3fn, device="cuda")
+    q = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="fp8 caches"):
+        ops.paged_decode_and_cache(q.clone(), q, k, k, slots, cache, bt, lens, 1.0, 1, 0, 0)
+    cache = torch.zeros(4, 2, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
+    q, k = q.expand(2, -1, -1).contiguous(), k.expand(2, -1, -1).contiguous()
+    strided = torch.ones(4, dtype=torch.int32, device="cuda")[::2]  # two entries, stride 2
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        ops.paged_decode_and_cache(q.clone(), q, k, k, torch.zeros(2, dtype=torch.int64, device="cuda"),
+                                   cache, bt.expand(2, -1).contiguous(), strided, 1.0, 1, 0, 0)
