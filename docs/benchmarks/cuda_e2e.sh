@@ -70,6 +70,20 @@ run test_engine 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cud
 run latency_eager 120 python3 -m core.entrypoints.cli bench latency $ENGINE --input-len 128 \
   --output-len 256 --num-iters 2 --enforce-eager --output-json "$RES/latency_eager.json"
 run serve 330 env ENGINE="$ENGINE" RES="$RES" bash docs/benchmarks/cuda_serve.sh
+# The device timeline of the engine's own decode loop (batches: TIMELINE_BATCHES, default 1,64)
+# and the kernel tests of the decode path (both run only when named).
+opt timeline 240 python3 docs/benchmarks/decode_timeline.py $MODEL "${TIMELINE_BATCHES:-1,64}" "$RES/timeline.json"
+# The batch-1 TPOT with the shortest v2 decode partition set to P tokens (platforms/cuda/
+# attention.py MIN_PARTITION_TOKENS, 256 in the tree), for P in MIN_PARTITIONS.
+for P in ${MIN_PARTITIONS:-}; do
+  opt latency_p$P 150 python3 -c "import sys, platforms.cuda.attention as a; a.MIN_PARTITION_TOKENS = int(sys.argv[1]); \
+from core.entrypoints.cli import main; sys.exit(main(sys.argv[2:]))" "$P" bench latency $ENGINE --input-len 128 \
+    --output-len 256 --num-iters 3 --output-json "$RES/latency_p$P.json"
+done
+opt test_decode 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_paged_decode.py \
+  tests/cuda/test_cuda_fused_ops.py tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_gemma.py \
+  tests/cuda/test_cuda_kv_fp8.py tests/cuda/test_cuda_cache_ops.py tests/cuda/test_cuda_graphs_compile.py \
+  tests/cuda/test_cuda_mixed_graphs.py tests/cuda/test_cuda_engine_graphs.py tests/cuda/test_cuda_async_scheduling.py
 # Variants (run only when named): greedy sampling; more concurrent sequences; step split.
 opt latency_greedy 150 python3 -m core.entrypoints.cli bench latency $ENGINE --input-len 128 \
   --output-len 256 --num-iters 3 --greedy --output-json "$RES/latency_greedy.json"
@@ -97,7 +111,8 @@ res = sys.argv[1]
 def load(name):
     p = os.path.join(res, name + ".json")
     return json.load(open(p)) if os.path.exists(p) else None
-for name in ("latency", "latency_eager", "latency_greedy"):
+for name in ("latency", "latency_eager", "latency_greedy", *sorted(
+        f[:-5] for f in os.listdir(res) if f.startswith("latency_p") and f.endswith(".json"))):
     r = load(name)
     if r:
         launched = float(open(os.path.join(res, name + ".launched")).read())

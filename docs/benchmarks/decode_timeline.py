@@ -1,0 +1,124 @@
+"""Where a decode step's device time goes, in the engine's own loop: the device timeline of
+``LLM.generate`` (kernels, copies and the idle gaps between them, CUDA graph replays
+included) and the host's time per step, for each batch size of a comma-separated list.
+
+    PYTHONPATH=. python3 docs/benchmarks/decode_timeline.py /tmp/llama3-8b 1,64 [OUT.json]
+
+(the model directory from ``python3 -m core.benchmarks.shapes llama3-8b /tmp/llama3-8b``).
+BATCH requests of 128 random prompt tokens generate 192 tokens each at temperature 1 (EOS
+ignored); the profile covers the whole run and the summary the steady decode steps between
+the 64th and the 160th output token. Per step: device busy time (union of kernel and copy
+intervals), idle time, each kernel's time and count, and the host's split (schedule, launch,
+waiting for the previous step's tokens, update). A kernel launched under programmatic
+dependent launch starts before its predecessor ends, so its time includes that wait: compare
+the wall time per step, not the kernel sums, between versions. Prints one JSON line per batch
+(all of them also written to OUT)."""
+import collections
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from core import LLM, SamplingParams
+
+model, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
+out_path = sys.argv[3] if len(sys.argv) > 3 else None
+OUT_LEN, FIRST, LAST = 192, 64, 160
+llm = LLM(model=model, load_format="dummy", dtype="bfloat16", platform="cuda", max_model_len=2048)
+core = llm.engine.core
+vocab = llm.engine.vocab_size
+params = SamplingParams(temperature=1.0, max_tokens=OUT_LEN, ignore_eos=True, seed=1)
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        with record_function(name):
+            return fn(*a, **k)
+    return wrapper
+
+
+class Handle:
+    def __init__(self, h):
+        self.h = h
+
+    def result(self):
+        with record_function("wait_tokens"):
+            return self.h.result()
+
+
+core._schedule = timed("schedule", core._schedule)
+launch = timed("launch", core.executor.launch)
+core.executor.launch = lambda s: Handle(launch(s))
+core._update = timed("update", core._update)
+core.step = timed("engine_step", core.step)
+
+
+
+def measure(batch: int) -> dict:
+    prompts = [[(i * 7919 + j * 104729) % (vocab - 200) + 100 for j in range(128)] for i in range(batch)]
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+
+    events = prof.events()
+    parts = ("schedule", "launch", "wait_tokens", "update", "engine_step")
+    marks = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in parts
+                   and e.device_type == torch.autograd.DeviceType.CPU)
+    steps = [m for m in marks if m[2] == "engine_step"]
+    # The window: the steady decode steps FIRST..LAST (same clock for host and device events).
+    w0, w1 = steps[FIRST][0], steps[LAST][0]
+    n_steps = LAST - FIRST
+    host = collections.defaultdict(float)
+    for a, b, name in marks:
+        if w0 <= a < w1:
+            host[name] += (b - a) / 1e3 / n_steps
+    # Device rows: kernels and copies (the profiler also mirrors each record_function range
+    # onto the device timeline as an annotation: those are left out).
+    dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in parts)
+    window = [e for e in dev if w0 <= e[0] < w1]
+    busy, cur_s, cur_e = 0.0, None, None
+    gaps = collections.Counter()
+    for s, e, _ in window:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                g = s - cur_e
+                busy += cur_e - cur_s
+                gaps["<2us" if g < 2 else "2-5us" if g < 5 else "5-20us" if g < 20 else "20-100us" if g < 100 else ">=100us"] += g
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = (window[-1][1] - window[0][0]) if window else 0.0
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for s, e, name in window:
+        k = per_kernel[name[:110]]
+        k[0] += e - s
+        k[1] += 1
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:45]
+    result = {
+        "batch": batch,
+        "device": torch.cuda.get_device_name(),
+        "steps": n_steps,
+        "wall_ms_per_step": round((w1 - w0) / 1e3 / n_steps, 4),
+        "device_span_ms_per_step": round(span / 1e3 / n_steps, 4),
+        "device_busy_ms_per_step": round(busy / 1e3 / n_steps, 4),
+        "device_gaps_ms_per_step": {k: round(v / 1e3 / n_steps, 4) for k, v in sorted(gaps.items())},
+        "events_per_step": round(len(window) / n_steps, 1),
+        "host_ms_per_step": {k: round(v, 4) for k, v in host.items()},
+        "kernels_us_per_step": [
+            {"name": name, "us": round(t / n_steps, 2), "count": round(c / n_steps, 2)} for name, (t, c) in top
+        ],
+    }
+    return result
+
+
+results = [measure(b) for b in batches]
+for r in results:
+    print(json.dumps(r))
+if out_path:
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)
