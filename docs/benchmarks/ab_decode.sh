@@ -3,13 +3,15 @@
 # decode-path changes, unpacked into .base/ (`git archive <commit> | tar -x -C .base`, carried
 # with the call), and this tree; each JIT-builds its kernels, then batch-1 TPOT (`core bench
 # latency`, 128 in / 256 out, temperature 1) and the engine loop's device timeline
-# (decode_timeline.py); this tree also runs the decode-path kernel tests first.
+# (decode_timeline.py); this tree also runs the decode-path kernel tests first. The engine needs
+# the wheels of .whl/ (docs/benchmarks/cuda_wheels.sh) on the device: carry .base and .whl.
 #   OUT=/tmp/ab bash docs/benchmarks/ab_decode.sh
 # Everything lands in $OUT/ab.tgz; the summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/ab}
 export TIMELINE_BATCHES=${TIMELINE_BATCHES:-1}
 cp docs/benchmarks/cuda_e2e.sh docs/benchmarks/decode_timeline.py .base/docs/benchmarks/
+[ -d .whl ] && ln -sfn ../.whl .base/.whl
 (cd .base && OUT=$OUT/base DEADLINE=${BASE_S:-140} bash docs/benchmarks/cuda_e2e.sh build latency)
 OUT=$OUT/new DEADLINE=${NEW_S:-300} bash docs/benchmarks/cuda_e2e.sh build test_decode latency
 (cd .base && OUT=$OUT/base_t DEADLINE=${TL_S:-100} bash docs/benchmarks/cuda_e2e.sh timeline)
