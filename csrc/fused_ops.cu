@@ -68,13 +68,29 @@ __device__ float block_sum(float v, float* scratch) {
 // Both run under programmatic dependent launch (launch_dependent): x and residual come from the
 // previous kernel and are read only after grid_dependency_wait(); the weight is a parameter no
 // kernel writes, so rms_norm_reg_kernel loads it first, overlapping that kernel's tail.
+// Vector v of a row as the norm sees it: x, or round(x + residual), which is also stored to
+// residual_out (contiguous). Pass 1 of both kernels below.
+template <typename T>
+__device__ __forceinline__ void normed_input(const RmsNormArgs& a, int row, int v,
+                                             float (&x)[T::kVec]) {
+  constexpr int V = T::kVec;
+  load_vec<T>(a.x, row * a.x_stride + v * V, x);
+  if (a.residual != nullptr) {
+    float r[V];
+    load_vec<T>(a.residual, row * a.residual_stride + v * V, r);
+#pragma unroll
+    for (int i = 0; i < V; ++i) x[i] += r[i];
+    round_vec<T>(x);  // the sum is stored in T, and the norm sees the stored value
+    store_vec<T>(a.residual_out, int64_t(row) * a.hidden + v * V, x);
+  }
+}
+
 template <typename T, int kVecs>
 __global__ void __launch_bounds__(kThreads) rms_norm_reg_kernel(const RmsNormArgs a) {
   __shared__ float scratch[kThreads / kWarpSize];
   constexpr int V = T::kVec;
   const int row = blockIdx.x;
   const int vecs = a.hidden / V;
-  const bool fused = a.residual != nullptr;
   float w[kVecs][V], x[kVecs][V];
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
@@ -88,15 +104,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_reg_kernel(const RmsNormArg
   for (int i = 0; i < kVecs; ++i) {
     const int v = threadIdx.x + i * kThreads;
     if (v >= vecs) continue;
-    load_vec<T>(a.x, row * a.x_stride + v * V, x[i]);
-    if (fused) {
-      float r[V];
-      load_vec<T>(a.residual, row * a.residual_stride + v * V, r);
-#pragma unroll
-      for (int k = 0; k < V; ++k) x[i][k] += r[k];
-      round_vec<T>(x[i]);  // the sum is stored in T, and the norm sees the stored value
-      store_vec<T>(a.residual_out, int64_t(row) * a.hidden + v * V, x[i]);
-    }
+    normed_input<T>(a, row, v, x[i]);
 #pragma unroll
     for (int k = 0; k < V; ++k) ss += x[i][k] * x[i][k];
   }
@@ -121,22 +129,13 @@ __global__ void rms_norm_kernel(const RmsNormArgs a) {
   const int vecs = a.hidden / V;
   const bool fused = a.residual != nullptr;
   const int64_t x_row = row * a.x_stride;
-  const int64_t r_row = row * a.residual_stride;
   const int64_t s_row = int64_t(row) * a.hidden;  // residual_out is contiguous
   grid_dependency_wait();
   allow_dependent_launch();
   float ss = 0.f;
   for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
     float x[V];
-    load_vec<T>(a.x, x_row + v * V, x);
-    if (fused) {
-      float r[V];
-      load_vec<T>(a.residual, r_row + v * V, r);
-#pragma unroll
-      for (int i = 0; i < V; ++i) x[i] += r[i];
-      round_vec<T>(x);  // the sum is stored in T, and the norm sees the stored value
-      store_vec<T>(a.residual_out, s_row + v * V, x);
-    }
+    normed_input<T>(a, row, v, x);
 #pragma unroll
     for (int i = 0; i < V; ++i) ss += x[i] * x[i];
   }
@@ -179,8 +178,8 @@ __global__ void silu_and_mul_kernel(const SiluAndMulArgs a) {
 
 // ---- rotary embedding ------------------------------------------------------------------------
 // One CTA per token (the paged decode kernel that follows it overlaps its tail: it waits for
-// this kernel only before reading q and the new key); a work item is one 16-byte vector of x1 (and its partner in x2) of one
-// head, or one vector of the unrotated tail.
+// this kernel only before reading q and the new key); a work item is one 16-byte vector of x1
+// (and its partner in x2) of one head, or one vector of the unrotated tail.
 template <typename T>
 __global__ void rotary_kernel(const RotaryArgs a) {
   constexpr int V = T::kVec;
