@@ -23,7 +23,7 @@ for fmt in ["fp8-block", "awq"]:
     if fmt == "fp8-block":
         real = q.block_scaled_rows
         q.block_scaled_rows = lambda device: 0
-                print(fmt, "dequantized-prefill agreement", round(_agreement(_greedy(path, "cuda", prompts), cpu), 3), flush=True)
+        print(fmt, "dequantized-prefill agreement", round(_agreement(_greedy(path, "cuda", prompts), cpu), 3), flush=True)
         q.block_scaled_rows = real
 # bf16 dense (unquantized source) on CUDA vs fp32 CPU: the floor any bf16 run has here
 print("dense bf16", "agreement", round(_agreement(_greedy(src, "cuda", prompts), _greedy(src, "cpu", prompts)), 3))
