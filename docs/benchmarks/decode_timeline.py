@@ -12,9 +12,18 @@ intervals), idle time, each kernel's time and count, and the host's split (sched
 waiting for the previous step's tokens, update). A kernel launched under programmatic
 dependent launch starts before its predecessor ends, so its time includes that wait: compare
 the wall time per step, not the kernel sums, between versions. Prints one JSON line per batch
-(all of them also written to OUT)."""
+(all of them also written to OUT).
+
+    PYTHONPATH=. python3 docs/benchmarks/decode_timeline.py /tmp/llama3-8b thr:1000:1024:128 [OUT.json]
+
+profiles the offline throughput workload instead (``core bench throughput``'s: PROMPTS random
+prompts of IN tokens, OUT tokens each at temperature 1, max_num_batched_tokens 8192,
+max_num_seqs 256 or a fifth field): only the engine steps from STEP0 to STEP1 (env
+``TIMELINE_STEPS``, default ``150,250``: the steady mix of prefill chunks and decodes of the
+1,024/128 run) are recorded, with each step's composition (prompt tokens, decode rows)."""
 import collections
 import json
+import os
 import sys
 
 import torch
@@ -22,10 +31,16 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from core import LLM, SamplingParams
 
-model, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
+model, workload = sys.argv[1], sys.argv[2]
 out_path = sys.argv[3] if len(sys.argv) > 3 else None
 OUT_LEN, FIRST, LAST = 192, 64, 160
-llm = LLM(model=model, load_format="dummy", dtype="bfloat16", platform="cuda", max_model_len=2048)
+THROUGHPUT = workload.startswith("thr:")
+engine_args = {}
+if THROUGHPUT:
+    n_prompts, in_len, out_len, *rest = (int(x) for x in workload[4:].split(":"))
+    engine_args = {"max_num_batched_tokens": 8192, "max_num_seqs": rest[0] if rest else 256}
+llm = LLM(model=model, load_format="dummy", dtype="bfloat16", platform="cuda", max_model_len=2048,
+          **engine_args)
 core = llm.engine.core
 vocab = llm.engine.vocab_size
 params = SamplingParams(temperature=1.0, max_tokens=OUT_LEN, ignore_eos=True, seed=1)
@@ -54,22 +69,15 @@ core.step = timed("engine_step", core.step)
 
 
 
-def measure(batch: int) -> dict:
-    prompts = [[(i * 7919 + j * 104729) % (vocab - 200) + 100 for j in range(128)] for i in range(batch)]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-
-    events = prof.events()
+def summarize(events, first: int, last: int) -> dict:
+    """Per step over the engine steps first..last of the profile (host and device events
+    share one clock)."""
     parts = ("schedule", "launch", "wait_tokens", "update", "engine_step")
     marks = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in parts
                    and e.device_type == torch.autograd.DeviceType.CPU)
     steps = [m for m in marks if m[2] == "engine_step"]
-    # The window: the steady decode steps FIRST..LAST (same clock for host and device events).
-    w0, w1 = steps[FIRST][0], steps[LAST][0]
-    n_steps = LAST - FIRST
+    w0, w1 = steps[first][0], steps[last][0]
+    n_steps = last - first
     host = collections.defaultdict(float)
     for a, b, name in marks:
         if w0 <= a < w1:
@@ -99,8 +107,7 @@ def measure(batch: int) -> dict:
         k[0] += e - s
         k[1] += 1
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:45]
-    result = {
-        "batch": batch,
+    return {
         "device": torch.cuda.get_device_name(),
         "steps": n_steps,
         "wall_ms_per_step": round((w1 - w0) / 1e3 / n_steps, 4),
@@ -113,10 +120,63 @@ def measure(batch: int) -> dict:
             {"name": name, "us": round(t / n_steps, 2), "count": round(c / n_steps, 2)} for name, (t, c) in top
         ],
     }
-    return result
 
 
-results = [measure(b) for b in batches]
+def measure(batch: int) -> dict:
+    prompts = [[(i * 7919 + j * 104729) % (vocab - 200) + 100 for j in range(128)] for i in range(batch)]
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    # The window: the steady decode steps FIRST..LAST.
+    return {"batch": batch, **summarize(prof.events(), FIRST, LAST)}
+
+
+def measure_throughput() -> dict:
+    """The throughput workload, profiled over engine steps STEP0..STEP1 only."""
+    step0, step1 = (int(x) for x in os.environ.get("TIMELINE_STEPS", "150,250").split(","))
+    prompts = [[(i * 7919 + j * 104729) % (vocab - 200) + 100 for j in range(in_len)]
+               for i in range(n_prompts)]
+    sp = SamplingParams(temperature=1.0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:64], sp, use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    count, mix = [0], []
+    step, schedule = core.step, core._schedule
+
+    def counted_step():
+        if count[0] == step0:
+            prof.start()
+        out = step()
+        if count[0] == step1:
+            prof.stop()
+        count[0] += 1
+        return out
+
+    def recorded_schedule():
+        out = schedule()
+        if step0 <= count[0] < step1:
+            prompt_tokens = sum(len(e.token_ids) for e in out.scheduled[:out.num_prefills])
+            mix.append((prompt_tokens, len(out.scheduled) - out.num_prefills))
+        return out
+
+    core.step, core._schedule = counted_step, recorded_schedule
+    try:
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        core.step, core._schedule = step, schedule
+    n = max(len(mix), 1)
+    return {
+        "workload": workload, **engine_args, "engine_steps": count[0],
+        "prompt_tokens_per_step": round(sum(p for p, _ in mix) / n, 1),
+        "decode_rows_per_step": round(sum(d for _, d in mix) / n, 1),
+        "steps_with_prompt_tokens": sum(1 for p, _ in mix if p),
+        **summarize(prof.events(), 0, step1 - step0),
+    }
+
+
+results = [measure_throughput()] if THROUGHPUT else [measure(int(b)) for b in workload.split(",")]
 for r in results:
     print(json.dumps(r))
 if out_path:
