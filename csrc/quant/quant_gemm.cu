@@ -109,18 +109,73 @@ struct GemvUnroll {
   static constexpr int kValue = C == QuantCode::kInt4 ? 1 : (M <= 2 ? 4 : (M <= 4 ? 2 : 1));
 };
 
-template <typename T, QuantCode C, int M>
-__device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4& cv, int v, const float* scales,
-                                            const float* mins, const typename T::Storage* x, float (&acc)[M]) {
+// Which scale group a code vector lies in (every vector lies inside one: group % kPer == 0):
+// v / d for d = group / kPer vectors per group, as one multiply-high by mul = ceil(2^32 / d)
+// (d >= 2; exact while v * d < 2^32, i.e. for rows of fewer than 2^16 vectors at any d, and
+// checked by group_of), v itself for d = 1, 0 when the whole row is one group: at 1-2 rows
+// an integer division per 16 weights (~20 instructions) showed in the H100 timings. From 4
+// rows the kernel keeps the division: there the lookup changed the register allocation
+// (int4 at 4 rows: 64 -> 75 registers, 4 -> 3 CTAs per SM) for no measured gain.
+struct GroupOf {
+  uint32_t mul;
+  int add;
+  __device__ __forceinline__ int operator()(int v) const {
+    return static_cast<int>(__umulhi(static_cast<uint32_t>(v), mul)) + v * add;
+  }
+};
+
+// false where the multiply-high would not be exact (rows of 2^16 vectors or more, i.e.
+// k >= 2^20 fp8 inputs, with more than one group).
+template <QuantCode C>
+bool group_of(const QuantGemvArgs& a, GroupOf& out) {
+  const int64_t d = a.group / Codes<C>::kPer, vecs = a.k / Codes<C>::kPer;
+  if (a.group == a.k) {
+    out = {0u, 0};
+  } else if (d == 1) {
+    out = {0u, 1};
+  } else {
+    if (vecs * d >= (int64_t(1) << 32)) return false;
+    out = {static_cast<uint32_t>(((int64_t(1) << 32) + d - 1) / d), 0};
+  }
+  return true;
+}
+
+template <typename T, QuantCode C, int M, bool kMins>
+__device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4& cv, int v, GroupOf vec_group,
+                                            const float* scales, const float* mins,
+                                            const typename T::Storage* x, float (&acc)[M]) {
   using Code = Codes<C>;
   constexpr int P = Code::kPer;
   constexpr int V = T::kVec;
   float q[P];
   Code::decode(cv, q);
   const int k0 = v * P;
-  const int g = k0 / a.group;
+  const int g = M <= 2 ? vec_group(v) : k0 / a.group;
   const float s = scales[g];
-  const float mn = mins != nullptr ? mins[g] : 0.f;
+  if constexpr (!kMins && M <= 2) {
+    // w = q * s: the vector's codes meet the activations first and the scale once per
+    // vector and row (one FMA per weight instead of two). Only at 1-2 rows: from 4 the
+    // dequantization below is shared by enough rows, and the H100 measured this form up to
+    // 32 % slower there (2026-12-06, docs/quantization.md).
+    float part[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) part[m] = 0.f;
+#pragma unroll
+    for (int j = 0; j < P / V; ++j) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const auto* xr = x + (m < a.m ? m : 0) * a.x_stride + k0 + j * V;
+        float xf[V];
+        T::to_float(*reinterpret_cast<const uint4*>(xr), xf);
+#pragma unroll
+        for (int i = 0; i < V; ++i) part[m] = fmaf(q[j * V + i], xf[i], part[m]);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = fmaf(part[m], s, acc[m]);
+    return;
+  }
+  const float mn = (kMins || mins != nullptr) ? mins[g] : 0.f;
 #pragma unroll
   for (int j = 0; j < P / V; ++j) {
     float w[V];
@@ -137,9 +192,9 @@ __device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4&
   }
 }
 
-template <typename T, QuantCode C, int M>
+template <typename T, QuantCode C, int M, bool kMins>
 __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
-    quant_gemv_kernel(const QuantGemvArgs a) {
+    quant_gemv_kernel(const QuantGemvArgs a, const GroupOf vec_group) {
   using Code = Codes<C>;
   constexpr int P = Code::kPer;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -161,9 +216,9 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
 #pragma unroll
     for (int u = 0; u < U; ++u) cv[u] = __ldg(codes + v + u * kWarpSize);
 #pragma unroll
-    for (int u = 0; u < U; ++u) gemv_vector<T, C, M>(a, cv[u], v + u * kWarpSize, scales, mins, x, acc);
+    for (int u = 0; u < U; ++u) gemv_vector<T, C, M, kMins>(a, cv[u], v + u * kWarpSize, vec_group, scales, mins, x, acc);
   }
-  for (; v < vecs; v += kWarpSize) gemv_vector<T, C, M>(a, __ldg(codes + v), v, scales, mins, x, acc);
+  for (; v < vecs; v += kWarpSize) gemv_vector<T, C, M, kMins>(a, __ldg(codes + v), v, vec_group, scales, mins, x, acc);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -223,19 +278,37 @@ __global__ void quant_dequant_kernel(const QuantDequantArgs a) {
   }
 }
 
+template <typename T, QuantCode C, int M, bool kMins>
+void launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
+  const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
+  quant_gemv_kernel<T, C, M, kMins><<<grid, block, 0, stream>>>(a, groups);
+}
+
+// At 1-2 rows, with and without mins (int4 only) are two instances: a runtime branch between
+// the two bodies kept both live and cost the no-mins one 16 registers (40 -> 56 at M = 1:
+// 6 -> 4 CTAs per SM). From 4 rows both take the one body, mins checked at run time.
 template <typename T, QuantCode C>
 cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
-  const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
-  if (a.m <= 1) {
-    quant_gemv_kernel<T, C, 1><<<grid, block, 0, stream>>>(a);
+  GroupOf groups;
+  if (!group_of<C>(a, groups) || (a.mins != nullptr && C != QuantCode::kInt4)) return cudaErrorInvalidValue;
+  if (a.m <= 2 && a.mins != nullptr) {
+    if constexpr (C == QuantCode::kInt4) {
+      if (a.m <= 1) {
+        launch_gemv_rows<T, C, 1, true>(a, groups, stream);
+      } else {
+        launch_gemv_rows<T, C, 2, true>(a, groups, stream);
+      }
+    }
+  } else if (a.m <= 1) {
+    launch_gemv_rows<T, C, 1, false>(a, groups, stream);
   } else if (a.m <= 2) {
-    quant_gemv_kernel<T, C, 2><<<grid, block, 0, stream>>>(a);
+    launch_gemv_rows<T, C, 2, false>(a, groups, stream);
   } else if (a.m <= 4) {
-    quant_gemv_kernel<T, C, 4><<<grid, block, 0, stream>>>(a);
+    launch_gemv_rows<T, C, 4, false>(a, groups, stream);
   } else if (a.m <= 8) {
-    quant_gemv_kernel<T, C, 8><<<grid, block, 0, stream>>>(a);
+    launch_gemv_rows<T, C, 8, false>(a, groups, stream);
   } else {
-    quant_gemv_kernel<T, C, 16><<<grid, block, 0, stream>>>(a);
+    launch_gemv_rows<T, C, 16, false>(a, groups, stream);
   }
   return cudaGetLastError();
 }

@@ -5,8 +5,9 @@
 // Weight layout, per output row n (row-major, rows of `row_bytes` bytes):
 //   kInt4: k / 2 bytes; byte j holds input 2j in its low nibble and 2j + 1 in its high one;
 //          w = code * scale + min (min optional: nullptr means 0).
-//   kInt8: k int8 codes; w = code * scale.
-//   kFp8:  k float8 e4m3 (OCP "fn": no infinities) codes; w = code * scale.
+//   kInt8: k int8 codes; w = code * scale (quant_gemv: mins must be nullptr; quant_dequant
+//          adds them).
+//   kFp8:  k float8 e4m3 (OCP "fn": no infinities) codes; w = code * scale (mins nullptr).
 // scales / mins: float32 [n, k / group] (group = k: one scale per row). Groups must span
 // whole 16-byte code vectors: group % 32 == 0 for kInt4, group % 16 == 0 otherwise, and
 // k % 32 == 0.
@@ -43,7 +44,9 @@ struct QuantGemvArgs {
 // to mma.sync, bf16 activations scaled per 128 inputs by a power of two into fp16's range
 // (exact down to 2^-28 of each 128's largest), fp32 sums. Everything else: one warp per
 // weight row on CUDA cores. Returns
-// cudaErrorInvalidValue for shapes outside the contract above.
+// cudaErrorInvalidValue for shapes outside the contract above, and for rows of 2^16 or more
+// 16-byte code vectors with more than one group whose (k / kPer) * (group / kPer) reaches
+// 2^32 (k of 1.4M+ inputs: the kernel finds a vector's group by a 32-bit multiply-high).
 constexpr int kQuantGemvMaxRows = 16;
 cudaError_t quant_gemv(const QuantGemvArgs& args, cudaStream_t stream);
 

@@ -78,6 +78,14 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, c
                 const c10::optional<at::Tensor>& mins, int64_t code, int64_t group, bool tensor_cores) {
   const QuantCode c = code_of(code, "quant_gemv");
   const int64_t k = check_weight(codes, scales, mins, c, group, "quant_gemv");
+  TORCH_CHECK(!mins.has_value() || c == QuantCode::kInt4,
+              "core_C.quant_gemv: mins are taken with int4 codes only (code " + std::to_string(code) +
+                  "); dequantize with quant_dequant and use a dense GEMM for this weight");
+  const int64_t per = c == QuantCode::kInt4 ? 32 : 16;  // inputs per 16-byte code vector
+  TORCH_CHECK(group == k || (k / per) * (group / per) < (int64_t(1) << 32),
+              "core_C.quant_gemv: k = " + std::to_string(k) + " with groups of " + std::to_string(group) +
+                  ": (k / " + std::to_string(per) + ") * (group / " + std::to_string(per) +
+                  ") must stay below 2^32 (the kernel's group lookup); dequantize this weight instead");
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   x.device() == codes.device() && (x.stride(0) * x.element_size()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,

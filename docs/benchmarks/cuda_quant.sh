@@ -57,12 +57,16 @@ step() {  # step NAME LIMIT_S CMD...
 }
 SELECTED="${*:-}"
 run() { if [ -z "$SELECTED" ] || [[ " $SELECTED " == *" $1 "* ]]; then step "$@"; fi; }
+opt() { if [[ " $SELECTED " == *" $1 "* ]]; then step "$@"; fi; }  # only when named
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv >"$RES/gpu.txt" 2>&1
 run build 300 python3 -c "from platforms.cuda.build import load_ops; load_ops()"
 run test_quant 200 python3 -m pytest -q -rfE -s -p no:cacheprovider tests/cuda/test_cuda_quant.py
 run kernels 90 python3 -m platforms.cuda.quant_bench --rows 1 4 16 64 256 2048 \
   --output-json "$RES/kernels.json"
+# The decode-row GEMVs alone, every row count they serve (run only when named).
+opt gemv 90 python3 -m platforms.cuda.quant_bench --rows 1 2 4 8 16 \
+  --variants bf16 fp8-gemv fp8-gemv-cuda-cores int4-gemv --output-json "$RES/gemv.json"
 run fp8_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_FP8 --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/fp8_latency.json"
 run awq_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --input-len 128 \
@@ -91,6 +95,11 @@ for name in ("fp8_1024_128", "fp8_1000_1000", "fp8kv_1000_1000"):
     r = load(name)
     if r:
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, {r['elapsed_s']} s")
+g = load("gemv")
+if g:
+    for row in g["results"]:
+        print(f"  gemv {row['shape']:8s} M={row['rows']:<3d} {row['variant']:20s} {row['us']:8.1f} us "
+              f"{row['weight_tb_s']:5.2f} TB/s err {row['rel_error']}")
 k = load("kernels")
 if k:
     for row in k["results"]:

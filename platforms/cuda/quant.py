@@ -86,8 +86,11 @@ def _pack(weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
         if not align:
             scale_b = None  # cuBLASLt refused block scales here: prefill dequantizes
         return PackedQuant(codes, scales, None, FP8, group, None, scale_b, max(align, 1))
-    if weight.group % 32:
-        return None
+    if weight.group % 32 or (weight.bits == 8 and weight.mins is not None):
+        return None  # the GEMV takes mins with int4 codes only (GGUF Q8_0, the 8-bit format, has none)
+    per = 32 if weight.bits == 4 else 16  # inputs per 16-byte code vector
+    if weight.group < cols and (cols // per) * (weight.group // per) >= 2**32:
+        return None  # csrc/quant finds a vector's group by a 32-bit multiply-high (quant_gemm.h)
     codes = pack_int4_rows(weight.codes) if weight.bits == 4 else weight.codes.view(torch.uint8).contiguous()
     mins = None if weight.mins is None else weight.mins.float().contiguous().to(device)
     perm = None if weight.perm is None else weight.perm.to(device)

@@ -2,7 +2,7 @@
 reference on fresh random inputs.
 
 * ``core_C.quant_gemv`` (1..16 rows) and ``core_C.quant_dequant`` for int4 (with and without
-  mins, groups of 32 and 128), int8 and fp8 (per-row and 128-input groups) weights, fp16 /
+  mins, groups of 32, 96 and 128), int8 (groups of 32 and 96) and fp8 (per-row and 128-input groups) weights, fp16 /
   bf16 / fp32 activations, against ``x @ W.T`` with W dequantized by
   :meth:`IntWeight.dequantize` / :meth:`Fp8Weight.dequantize` in float64 (the dequantization
   itself must be exact: fp32 on both sides);
@@ -72,11 +72,13 @@ def check(got, want, dtype, k):
     torch.testing.assert_close(got.double() / scale, want.double() / scale, rtol=0, atol=tol)
 
 
-CASES = [  # (code, bits, group, mins)
+CASES = [  # (code, bits, group, mins): 1-8 code vectors per group, and 3 and 6 (not powers of two)
     ("int4-g128-mins", 4, 128, True),
     ("int4-g32-mins", 4, 32, True),
     ("int4-g128-sym", 4, 128, False),
     ("int8-g32", 8, 32, False),
+    ("int4-g96-mins", 4, 96, True),
+    ("int8-g96", 8, 96, False),
 ]
 
 
@@ -85,7 +87,7 @@ CASES = [  # (code, bits, group, mins)
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_gemv_and_dequant_integer_codes(dtype, name, bits, group, mins, m):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{m}/{dtype}".encode()))
-    n, k = 384, 1024
+    n, k = 384, 1024 if 1024 % group == 0 else 1152
     w = int_weight(n, k, bits, group, mins, gen)
     packed = _pack(w, DEV)
     assert packed is not None and packed.code == (INT4 if bits == 4 else INT8)
@@ -269,10 +271,32 @@ def test_int4_act_order_and_prefill_through_the_linear_method(m):
     check(y, reference(x, w), torch.bfloat16, k)
 
 
+def test_the_gemv_refuses_what_it_cannot_take():
+    from platforms.cuda.build import load_ops
+
+    gen = torch.Generator().manual_seed(1)
+    w = int_weight(16, 1024, 8, 32, False, gen)
+    packed = _pack(w, DEV)
+    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16).to(DEV)
+    out = torch.empty(1, 16, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match="mins are taken with int4 codes only"):
+        load_ops().quant_gemv(out, x, packed.codes, packed.scales, torch.zeros_like(packed.scales),
+                              packed.code, packed.group)
+    k, group = 1_572_864, 786_432  # two groups of 1.5 M / 2 inputs: past the 32-bit group lookup
+    codes = torch.zeros(16, k, dtype=torch.uint8, device=DEV)
+    scales = torch.ones(16, 2, device=DEV)
+    with pytest.raises(RuntimeError, match="must stay below 2"):
+        load_ops().quant_gemv(out, torch.zeros(1, k, dtype=torch.bfloat16, device=DEV), codes, scales, None,
+                              INT8, group)
+
+
 def test_shapes_the_kernels_cannot_take_stay_dense():
     gen = torch.Generator().manual_seed(0)
     assert _pack(int_weight(24, 256, 4, 128, True, gen), DEV) is None  # 24 rows: not % 16
     assert _pack(fp8_weight(64, 320, 64, gen), DEV) is None  # 64-input fp8 groups
+    # 1.5 M inputs in two groups: beyond the kernels' 32-bit group lookup (quant_gemm.h)
+    assert _pack(int_weight(16, 1_572_864, 8, 786_432, False, gen), DEV) is None
+    assert _pack(int_weight(16, 1024, 8, 32, True, gen), DEV) is None  # 8-bit codes with mins
 
 
 # ---- whole models ---------------------------------------------------------------------------
