@@ -16,7 +16,9 @@ its weight from HBM (as in a decode step):
 * ``int4-gemv``: the GEMV over AWQ-style int4 codes, group 128 with mins (M <= 16);
 * ``int4-dequant-gemm``: ``core_C.quant_dequant`` to bf16 then ``F.linear`` (int4 prefill).
 
-Reported: median microseconds per call and the weight bytes read per second (TB/s; the H200
+Reported: median microseconds per call (40 back-to-back calls replayed from a CUDA graph, so
+the host's launch rate does not set the pace; "timing" says where capture failed and the
+calls were launched from Python) and the weight bytes read per second (TB/s; the H200
 copies at 4.26). Each variant is checked against the float64 product first. Needs a CUDA
 device; the lead runs it (docs/benchmarks/cuda_quant.sh) and records the JSON.
 """
@@ -36,20 +38,45 @@ SHAPES = (("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 28672),
 """(name, in_features, out_features) of Llama-3-8B's quantized linear layers."""
 
 
-def time_us(fn, n_weights: int, calls: int = 40, runs: int = 5) -> float:
-    """Median microseconds of ``fn(i)`` over ``calls`` back-to-back calls, i cycling weights."""
+def time_us(fn, n_weights: int, calls: int = 40, runs: int = 5) -> tuple[float, str]:
+    """Median microseconds of ``fn(i)`` over ``calls`` back-to-back calls, i cycling weights,
+    and how they ran: replayed from one CUDA graph ("graph"), as the model's decode steps
+    run, or launched from Python ("eager") where capture fails. Launched one by one, a
+    kernel of ~10 us waits for the host's next launch (~10-20 us of Python and dispatch), so
+    the small layers measured the host: the same unchanged kernel gave 12.2 and 17.1 us in
+    one call on one H100 (2026-12-06, docs/quantization.md). The graph replay was written
+    after that session's device time ran out: it has not run on a GPU yet."""
     for i in range(8):
         fn(i % n_weights)
+    torch.cuda.synchronize()
+
+    def many():
+        for i in range(calls):
+            fn(i % n_weights)
+
+    run, mode = many, "eager"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            many()  # warm-up on the capture stream (lazy initialisation outside the graph)
+            with torch.cuda.graph(graph, stream=stream):
+                many()
+        torch.cuda.current_stream().wait_stream(stream)
+        run, mode = graph.replay, "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+    run()  # one untimed pass of the timed form
     out = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(calls):
-            fn(i % n_weights)
+        run()
         end.record()
         end.synchronize()
         out.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(out)
+    return statistics.median(out), mode
 
 
 def _copies(nbytes: int) -> int:
@@ -119,11 +146,11 @@ def _bench(name: str, k: int, n: int, variant, rows: list[int], gen: torch.Gener
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
         got, want = fn(weight, x).double(), reference(x)
         err = float((got - want).norm() / want.norm())
-        us = time_us(lambda i, x=x: fn(weights[i], x), len(weights))
+        us, mode = time_us(lambda i, x=x: fn(weights[i], x), len(weights))
         out.append({"shape": name, "in": k, "out": n, "rows": m, "variant": label, "us": round(us, 2),
-                    "weight_tb_s": round(nbytes / us / 1e6, 3), "rel_error": round(err, 5)})
+                    "weight_tb_s": round(nbytes / us / 1e6, 3), "rel_error": round(err, 5), "timing": mode})
         print(f"{name:8s} M={m:<5d} {label:18s} {us:9.1f} us  {nbytes / us / 1e6:6.2f} TB/s  "
-              f"rel err {err:.2e}", flush=True)
+              f"rel err {err:.2e}  ({mode})", flush=True)
     return out
 
 
