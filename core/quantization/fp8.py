@@ -28,8 +28,9 @@ import torch
 
 from core.quantization.base import QuantizationMethod, Weights
 from core.quantization.grouping import group_parts
+from core.quantization.int4 import dummy_int4, unpack_int32
 from core.quantization.kv_cache import KV_SCALE_SUFFIXES
-from core.quantization.tensors import FP8_MAX, Fp8Weight, quantize_fp8_rows
+from core.quantization.tensors import FP8_MAX, Fp8Weight, IntWeight, quantize_fp8_rows
 
 _FP8 = (torch.float8_e4m3fn,)
 
@@ -135,11 +136,26 @@ class Fp8Method(QuantizationMethod):
 
 
 class CompressedTensorsMethod(QuantizationMethod):
-    """compressed-tensors checkpoints in the ``float-quantized`` format (8-bit float weights,
-    per tensor, channel or block)."""
+    """compressed-tensors checkpoints (what llm-compressor writes), in one of two formats for
+    the whole model:
+
+    * ``float-quantized``: fp8 e4m3 ``weight`` + ``weight_scale`` per tensor, channel or
+      block (``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``);
+    * ``pack-quantized`` with 4-bit symmetric integer weights per group or channel
+      (``W4A16``): ``weight_packed`` int32 ``[N, K / 8]`` (input ``8c + i`` in nibble ``i`` of
+      word ``c``, stored as ``q + 8`` for the signed code ``q`` in -8..7), ``weight_scale``
+      ``[N, K / G]`` (``[N, 1]`` per channel), ``weight_shape`` ``[N, K]``; ``w = q * scale``
+      rounded once, the library's own dequantization (checked against it in
+      tests/integration/test_quant_checkpoints.py). Restated as an 8-bit
+      :class:`IntWeight` holding the signed codes ``q``, which dequantizes to exactly those
+      floats; the 4-bit form (codes ``q + 8``, ``min = -8 * scale``) would round twice. So the
+      CUDA platform keeps these weights as int8 codes (half of bf16's bytes, not a quarter)
+      until its int4 path takes signed codes.
+    """
 
     name = "compressed-tensors"
     STRATEGIES = ("tensor", "channel", "block")
+    INT_STRATEGIES = ("group", "channel")
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None) -> CompressedTensorsMethod:
@@ -147,14 +163,21 @@ class CompressedTensorsMethod(QuantizationMethod):
             return super().from_config(config)
         fmt = config.get("format")
         groups = config.get("config_groups") or {}
+        if not groups:
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        formats = set()
         for name, group in groups.items():
             fmt_g = group.get("format") or fmt
+            formats.add(fmt_g)
             w = group.get("weights") or {}
+            if fmt_g == "pack-quantized":
+                cls._check_int_group(name, w)
+                continue
             if fmt_g != "float-quantized" or w.get("type") != "float" or w.get("num_bits") != 8:
                 raise ValueError(
                     f"compressed-tensors group {name!r} is format {fmt_g!r} with {w.get('num_bits')}-bit "
                     f"{w.get('type')} weights; supported: format 'float-quantized' with 8-bit float "
-                    f"(fp8 e4m3) weights"
+                    f"(fp8 e4m3) weights, or 'pack-quantized' with 4-bit int weights"
                 )
             if w.get("strategy") not in cls.STRATEGIES:
                 raise ValueError(
@@ -163,9 +186,52 @@ class CompressedTensorsMethod(QuantizationMethod):
                 )
             if w.get("symmetric") is False:
                 raise ValueError(f"compressed-tensors group {name!r}: asymmetric fp8 weights are not supported")
-        if not groups:
-            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        if len(formats) > 1:
+            raise ValueError(
+                f"compressed-tensors groups in several formats ({sorted(formats)}) are not supported; "
+                "supported: one format for the whole model"
+            )
         return cls(config)
+
+    @staticmethod
+    def _check_int_group(name: str, w: dict[str, Any]) -> None:
+        if w.get("type") != "int" or w.get("num_bits") != 4:
+            raise ValueError(
+                f"compressed-tensors group {name!r} is pack-quantized with {w.get('num_bits')}-bit "
+                f"{w.get('type')} weights; supported: 4-bit int (W4A16)"
+            )
+        if w.get("symmetric") is False:
+            raise ValueError(
+                f"compressed-tensors group {name!r}: asymmetric int4 weights (zero points, W4A16_ASYM) "
+                "are not supported; supported: symmetric"
+            )
+        if w.get("actorder") not in (None, False):
+            raise ValueError(
+                f"compressed-tensors group {name!r}: activation ordering (actorder "
+                f"{w.get('actorder')!r}) is not supported; supported: none"
+            )
+        strategy, size = w.get("strategy"), w.get("group_size")
+        if strategy not in CompressedTensorsMethod.INT_STRATEGIES:
+            raise ValueError(
+                f"compressed-tensors group {name!r} has int weight strategy {strategy!r}; supported: "
+                f"{list(CompressedTensorsMethod.INT_STRATEGIES)}"
+            )
+        if strategy == "group" and (not isinstance(size, int) or size <= 0 or size % 32):
+            raise ValueError(
+                f"compressed-tensors group {name!r} has group_size {size!r}; supported: a positive "
+                "multiple of 32"
+            )
+        if w.get("dynamic"):
+            raise ValueError(f"compressed-tensors group {name!r}: dynamic int weights are not supported")
+
+    @property
+    def _int(self) -> bool:
+        return any((g.get("format") or self.config.get("format")) == "pack-quantized"
+                   for g in self.config["config_groups"].values())
+
+    def _int_group(self, cols: int) -> int:
+        w = next(iter(self.config["config_groups"].values()))["weights"]
+        return cols if w.get("strategy") == "channel" else w["group_size"]
 
     def _block(self) -> tuple[int, int] | None:
         for group in self.config["config_groups"].values():
@@ -176,9 +242,13 @@ class CompressedTensorsMethod(QuantizationMethod):
 
     def describe(self) -> str:
         strategies = sorted({g["weights"]["strategy"] for g in self.config["config_groups"].values()})
+        if self._int:
+            return f"compressed-tensors (pack-quantized int4, symmetric, per {'/'.join(strategies)} weight scales)"
         return f"compressed-tensors (float-quantized fp8, per {'/'.join(strategies)} weight scales)"
 
     def checkpoint_weights(self, weights: Weights) -> Weights:
+        if self._int:
+            return self._int_weights(weights)
         block = self._block()
         weights = _drop(weights, (".input_scale", ".input_zero_point", ".weight_zero_point",
                                   ".output_scale", ".output_zero_point", *KV_SCALE_SUFFIXES))
@@ -192,7 +262,28 @@ class CompressedTensorsMethod(QuantizationMethod):
         return group_parts(weights, ("weight", "weight_scale"), build, member=_is_fp8_weight,
                            fmt="compressed-tensors")
 
-    def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight:
+    def _int_weights(self, weights: Weights) -> Weights:
+        def build(module: str, p: dict[str, Any]) -> IntWeight:
+            rows, cols = (int(v) for v in p["weight_shape"].tolist())
+            packed, scale = p["weight_packed"], p["weight_scale"]
+            group = self._int_group(cols)
+            if cols % group or tuple(packed.shape) != (rows, -(-cols // 8)) or tuple(scale.shape) != (rows, cols // group):
+                raise ValueError(
+                    f"{module}: weight_shape [{rows}, {cols}] with group {group} needs weight_packed "
+                    f"[{rows}, {-(-cols // 8)}] and weight_scale [{rows}, {cols // group}], got "
+                    f"{tuple(packed.shape)} and {tuple(scale.shape)}"
+                )
+            codes = (unpack_int32(packed, 1)[:, :cols].to(torch.int16) - 8).to(torch.int8).contiguous()
+            return IntWeight(8, codes, scale.float().contiguous(), None, group)
+
+        return group_parts(_drop(weights, (".input_scale", ".input_zero_point", ".output_scale",
+                                           ".output_zero_point", *KV_SCALE_SUFFIXES)),
+                           ("weight_packed", "weight_scale", "weight_shape"), build, fmt="compressed-tensors")
+
+    def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
+        if self._int:  # signed 4-bit codes as checkpoint_weights restates them
+            w = dummy_int4(rows, cols, self._int_group(cols), generator, std)
+            return IntWeight(8, (w.codes.to(torch.int16) - 8).to(torch.int8), w.scales, None, w.group)
         return dummy_fp8(rows, cols, generator, std)
 
 

@@ -4,8 +4,9 @@ Each format is written from one seeded fp32 model: AWQ, GPTQ (with and without a
 and the ``fp8`` method's 128x128 blocks by core.quantization.writers (which follows each
 format's layout and also writes the dense model the quantized one stands for, computed from
 the writer's own integer codes), compressed-tensors ``float-quantized`` (per tensor, channel
-and block) by the ``compressed-tensors`` library itself, dequantized for the reference by its
-definition (``code * scale``). For each:
+and block) and ``pack-quantized`` (W4A16: int4, groups of 128) by the ``compressed-tensors``
+library itself, dequantized for the reference by its definition (fp8: ``code * scale``) or by
+the library's own fake quantization (int4). For each:
 
 * the loaded (dequantized) linear weights equal that reference exactly;
 * greedy tokens of the engine equal HF transformers' on the reference model (fp32: exact);
@@ -39,15 +40,19 @@ from tests.integration.test_engine_hf import hf_greedy, random_prompts
 # q's 256), 256 and 512 inputs: two or four 128-input groups per row.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block")
-CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK"}
+CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16"}
 MAX_NEW = 10
 
 
 def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> None:
-    """A float-quantized checkpoint written by compressed-tensors: scales set from each
-    weight's range for the preset's strategy, compressed and saved by the library."""
+    """A checkpoint written by compressed-tensors: scales set from each weight's range for the
+    preset's strategy, compressed and saved by the library (``float-quantized`` for the FP8
+    presets, ``pack-quantized`` for W4A16, int4 in groups of 128). The reference: fp8 by the
+    format's definition (``code * scale``), int4 by the library's own fake quantization of
+    each weight with those scales (what its dequantization gives)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -56,11 +61,19 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
     scheme = preset_name_to_scheme(preset, ["Linear"])
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                                         quantization_status="frozen"))
+    integer = scheme.weights.type == "int"
+    int_ref = {}
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if not hasattr(module, "weight_scale"):
                 continue
             w, shape = module.weight.float(), module.weight_scale.shape
+            if integer:  # symmetric int4 in groups: codes -8..7, largest |w| of a group at 7
+                scale = w.reshape(shape[0], shape[1], -1).abs().amax(-1) / 7.0
+                module.weight_scale.copy_(scale.clamp(min=1e-8).to(module.weight_scale.dtype))
+                int_ref[name + ".weight"] = fake_quantize(module.weight, module.weight_scale,
+                                                          module.weight_zero_point, scheme.weights).float()
+                continue
             if shape.numel() == 1:
                 scale = w.abs().amax()
             elif len(shape) == 2 and shape[1] == 1:
@@ -72,7 +85,8 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
             module.weight_scale.copy_((scale / 448.0).clamp(min=1e-12).reshape(shape))
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(1.0)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor = ModelCompressor.from_pretrained_model(
+        model, quantization_format="pack-quantized" if integer else "float-quantized")
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(str(dst))
@@ -83,7 +97,11 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
     state = load_file(str(dst / "model.safetensors"))
     dense = {}
     for name, t in state.items():
-        if name.endswith((".weight_scale", ".input_scale", ".weight_zero_point")):
+        if name.endswith((".weight_scale", ".input_scale", ".weight_zero_point", ".weight_shape")):
+            continue
+        if name.endswith(".weight_packed"):
+            name = name.removesuffix("_packed")
+            dense[name] = int_ref[name]
             continue
         scale = state.get(name + "_scale")
         if t.dtype == torch.float8_e4m3fn:
@@ -187,7 +205,7 @@ def test_fp8_quantization_on_load_of_a_dense_checkpoint(checkpoints, tmp_path):
     assert _engine_greedy(src, prompts, quantization="fp8") == hf_greedy(ref, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "fp8-block", "ct-tensor"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "fp8-block", "ct-tensor", "ct-w4a16"])
 def test_kept_quantized_path_gives_the_dequantized_logits(checkpoints, fmt):
     config = _quantized_config(checkpoints[fmt][0])
     dense = load_model(config, cpu_context(), ModelRegistry())
@@ -253,7 +271,7 @@ def test_agreement_with_the_fp32_model_is_measured(checkpoints, capsys, tmp_path
     with capsys.disabled():
         print("\ntop-1 agreement with fp32:", {k: round(v, 3) for k, v in rates.items()})
     for fmt in ALL_FORMATS:
-        assert rates[fmt] >= (0.15 if fmt.startswith(("awq", "gptq")) else 0.5), (fmt, rates[fmt])
+        assert rates[fmt] >= (0.15 if fmt.startswith(("awq", "gptq", "ct-w4a16")) else 0.5), (fmt, rates[fmt])
 
 
 @pytest.mark.parametrize("method", [{"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},

@@ -183,6 +183,38 @@ def test_flag_contradicting_the_checkpoint_or_needing_one_is_refused():
         resolve_quantization(None, _Config({**AWQ, "bits": 8}), None, _Everything)
 
 
+def _ct(weights: dict, fmt: str = "pack-quantized", **group) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, **group}}}
+
+
+W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+
+
+@pytest.mark.parametrize("weights,match", [
+    ({**W4A16, "symmetric": False}, "asymmetric int4 weights"),
+    ({**W4A16, "actorder": "group"}, "activation ordering"),
+    ({**W4A16, "num_bits": 8}, "supported: 4-bit int"),
+    ({**W4A16, "group_size": 48}, "group_size 48"),
+    ({**W4A16, "strategy": "tensor"}, "int weight strategy 'tensor'"),
+])
+def test_compressed_tensors_int_settings_not_read_are_refused(weights, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_quantization(None, _Config(_ct(weights)), None, _Everything)
+
+
+def test_compressed_tensors_w4a16_is_read_and_formats_may_not_mix():
+    method = resolve_quantization(None, _Config(_ct(W4A16)), None, _Everything)
+    assert "pack-quantized int4" in method.describe()
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+    mixed = _ct(W4A16)
+    mixed["config_groups"]["group_1"] = {"targets": ["Linear"], "weights": fp8, "format": "float-quantized"}
+    with pytest.raises(ValueError, match="several formats"):
+        resolve_quantization(None, _Config(mixed), None, _Everything)
+    with pytest.raises(ValueError, match="'naive-quantized'"):
+        resolve_quantization(None, _Config(_ct(W4A16, fmt="naive-quantized")), None, _Everything)
+
+
 def test_platform_without_the_method_is_refused_naming_those_that_run_it():
     with pytest.raises(ValueError) as e:
         resolve_quantization(None, _Config(AWQ), None, _HostOnly,
