@@ -40,7 +40,8 @@ from tests.integration.test_engine_hf import hf_greedy, random_prompts
 # q's 256), 256 and 512 inputs: two or four 128-input groups per row.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block")
-CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16"}
+CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
+              "ct-w4a16-channel": "W4A16/channel"}  # preset[/weight strategy]
 MAX_NEW = 10
 
 
@@ -58,7 +59,10 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    preset, _, strategy = preset.partition("/")
     scheme = preset_name_to_scheme(preset, ["Linear"])
+    if strategy:
+        scheme.weights = scheme.weights.model_copy(update={"strategy": strategy, "group_size": None})
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                                         quantization_status="frozen"))
     integer = scheme.weights.type == "int"
@@ -68,7 +72,7 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
             if not hasattr(module, "weight_scale"):
                 continue
             w, shape = module.weight.float(), module.weight_scale.shape
-            if integer:  # symmetric int4 in groups: codes -8..7, largest |w| of a group at 7
+            if integer:  # symmetric int4 per group or channel: codes -8..7, largest |w| at 7
                 scale = w.reshape(shape[0], shape[1], -1).abs().amax(-1) / 7.0
                 module.weight_scale.copy_(scale.clamp(min=1e-8).to(module.weight_scale.dtype))
                 int_ref[name + ".weight"] = fake_quantize(module.weight, module.weight_scale,
