@@ -141,16 +141,17 @@ class CompressedTensorsMethod(QuantizationMethod):
 
     * ``float-quantized``: fp8 e4m3 ``weight`` + ``weight_scale`` per tensor, channel or
       block (``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``);
-    * ``pack-quantized`` with 4-bit symmetric integer weights per group or channel
-      (``W4A16``): ``weight_packed`` int32 ``[N, K / 8]`` (input ``8c + i`` in nibble ``i`` of
-      word ``c``, stored as ``q + 8`` for the signed code ``q`` in -8..7), ``weight_scale``
-      ``[N, K / G]`` (``[N, 1]`` per channel), ``weight_shape`` ``[N, K]``; ``w = q * scale``
-      rounded once, the library's own dequantization (checked against it in
-      tests/integration/test_quant_checkpoints.py). Restated as an 8-bit
-      :class:`IntWeight` holding the signed codes ``q``, which dequantizes to exactly those
-      floats; the 4-bit form (codes ``q + 8``, ``min = -8 * scale``) would round twice. So the
-      CUDA platform keeps these weights as int8 codes (half of bf16's bytes, not a quarter)
-      until its int4 path takes signed codes.
+    * ``pack-quantized`` with 4-bit integer weights per group or channel (``W4A16``,
+      ``W4A16_ASYM``): ``weight_packed`` int32 ``[N, K / 8]`` (input ``8c + i`` in nibble
+      ``i`` of word ``c``, stored as ``q + 8`` for the signed code ``q`` in -8..7),
+      ``weight_scale`` ``[N, K / G]`` (``[N, 1]`` per channel), ``weight_shape`` ``[N, K]``,
+      and when asymmetric ``weight_zero_point`` int32 ``[N / 8, K / G]`` (packed the same way
+      along the outputs); ``w = (q - z) * scale`` rounded once, the library's own
+      dequantization (checked against it in tests/integration/test_quant_checkpoints.py).
+      Restated as an 8-bit :class:`IntWeight` holding ``q - z`` (-15..15), which dequantizes
+      to exactly those floats; the 4-bit form (codes ``q + 8``, ``min = -(z + 8) * scale``)
+      would round twice. So the CUDA platform keeps these weights as int8 codes (half of
+      bf16's bytes, not a quarter) until its int4 path takes signed codes.
     """
 
     name = "compressed-tensors"
@@ -200,11 +201,6 @@ class CompressedTensorsMethod(QuantizationMethod):
                 f"compressed-tensors group {name!r} is pack-quantized with {w.get('num_bits')}-bit "
                 f"{w.get('type')} weights; supported: 4-bit int (W4A16)"
             )
-        if w.get("symmetric") is False:
-            raise ValueError(
-                f"compressed-tensors group {name!r}: asymmetric int4 weights (zero points, W4A16_ASYM) "
-                "are not supported; supported: symmetric"
-            )
         if w.get("actorder") not in (None, False):
             raise ValueError(
                 f"compressed-tensors group {name!r}: activation ordering (actorder "
@@ -229,6 +225,10 @@ class CompressedTensorsMethod(QuantizationMethod):
         return any((g.get("format") or self.config.get("format")) == "pack-quantized"
                    for g in self.config["config_groups"].values())
 
+    @property
+    def _asymmetric(self) -> bool:
+        return next(iter(self.config["config_groups"].values()))["weights"].get("symmetric") is False
+
     def _int_group(self, cols: int) -> int:
         w = next(iter(self.config["config_groups"].values()))["weights"]
         return cols if w.get("strategy") == "channel" else w["group_size"]
@@ -243,7 +243,8 @@ class CompressedTensorsMethod(QuantizationMethod):
     def describe(self) -> str:
         strategies = sorted({g["weights"]["strategy"] for g in self.config["config_groups"].values()})
         if self._int:
-            return f"compressed-tensors (pack-quantized int4, symmetric, per {'/'.join(strategies)} weight scales)"
+            kind = "asymmetric" if self._asymmetric else "symmetric"
+            return f"compressed-tensors (pack-quantized int4, {kind}, per {'/'.join(strategies)} weight scales)"
         return f"compressed-tensors (float-quantized fp8, per {'/'.join(strategies)} weight scales)"
 
     def checkpoint_weights(self, weights: Weights) -> Weights:
@@ -273,12 +274,25 @@ class CompressedTensorsMethod(QuantizationMethod):
                     f"[{rows}, {-(-cols // 8)}] and weight_scale [{rows}, {cols // group}], got "
                     f"{tuple(packed.shape)} and {tuple(scale.shape)}"
                 )
-            codes = (unpack_int32(packed, 1)[:, :cols].to(torch.int16) - 8).to(torch.int8).contiguous()
-            return IntWeight(8, codes, scale.float().contiguous(), None, group)
+            codes = unpack_int32(packed, 1)[:, :cols].to(torch.int16)
+            if asymmetric:
+                zero = p["weight_zero_point"]
+                if tuple(zero.shape) != (-(-rows // 8), cols // group):
+                    raise ValueError(
+                        f"{module}: weight_zero_point {tuple(zero.shape)}; expected "
+                        f"[{-(-rows // 8)}, {cols // group}] (packed along the outputs)"
+                    )
+                z = unpack_int32(zero, 0)[:rows].to(torch.int16)  # [N, K / G], stored as z + 8
+                codes = codes - z.repeat_interleave(group, 1)
+            else:
+                codes = codes - 8
+            return IntWeight(8, codes.to(torch.int8).contiguous(), scale.float().contiguous(), None, group)
 
+        asymmetric = self._asymmetric
+        required = ("weight_packed", "weight_scale", "weight_shape") + (("weight_zero_point",) if asymmetric else ())
         return group_parts(_drop(weights, (".input_scale", ".input_zero_point", ".output_scale",
                                            ".output_zero_point", *KV_SCALE_SUFFIXES)),
-                           ("weight_packed", "weight_scale", "weight_shape"), build, fmt="compressed-tensors")
+                           required, build, fmt="compressed-tensors")
 
     def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
         if self._int:  # signed 4-bit codes as checkpoint_weights restates them

@@ -41,7 +41,7 @@ from tests.integration.test_engine_hf import hf_greedy, random_prompts
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block")
 CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
-              "ct-w4a16-channel": "W4A16/channel"}  # preset[/weight strategy]
+              "ct-w4a16-channel": "W4A16/channel", "ct-w4a16-asym": "W4A16_ASYM"}  # preset[/weight strategy]
 MAX_NEW = 10
 
 
@@ -72,8 +72,15 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
             if not hasattr(module, "weight_scale"):
                 continue
             w, shape = module.weight.float(), module.weight_scale.shape
-            if integer:  # symmetric int4 per group or channel: codes -8..7, largest |w| at 7
-                scale = w.reshape(shape[0], shape[1], -1).abs().amax(-1) / 7.0
+            if integer:  # int4 per group or channel: codes -8..7 (symmetric: largest |w| at 7)
+                groups = w.reshape(shape[0], shape[1], -1)
+                if scheme.weights.symmetric:
+                    scale = groups.abs().amax(-1) / 7.0
+                else:  # the range [min, max] onto -8..7, zero point rounded into -8..7
+                    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+                    scale = (hi - lo) / 15.0
+                    zero = (-8 - lo / scale.clamp(min=1e-8)).round().clamp(-8, 7)
+                    module.weight_zero_point.copy_(zero.to(module.weight_zero_point.dtype))
                 module.weight_scale.copy_(scale.clamp(min=1e-8).to(module.weight_scale.dtype))
                 int_ref[name + ".weight"] = fake_quantize(module.weight, module.weight_scale,
                                                           module.weight_zero_point, scheme.weights).float()

@@ -192,7 +192,6 @@ W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "
 
 
 @pytest.mark.parametrize("weights,match", [
-    ({**W4A16, "symmetric": False}, "asymmetric int4 weights"),
     ({**W4A16, "actorder": "group"}, "activation ordering"),
     ({**W4A16, "num_bits": 8}, "supported: 4-bit int"),
     ({**W4A16, "group_size": 48}, "group_size 48"),
@@ -205,7 +204,9 @@ def test_compressed_tensors_int_settings_not_read_are_refused(weights, match):
 
 def test_compressed_tensors_w4a16_is_read_and_formats_may_not_mix():
     method = resolve_quantization(None, _Config(_ct(W4A16)), None, _Everything)
-    assert "pack-quantized int4" in method.describe()
+    assert "pack-quantized int4, symmetric" in method.describe()
+    asym = resolve_quantization(None, _Config(_ct({**W4A16, "symmetric": False})), None, _Everything)
+    assert "pack-quantized int4, asymmetric" in asym.describe()
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
     mixed = _ct(W4A16)
     mixed["config_groups"]["group_1"] = {"targets": ["Linear"], "weights": fp8, "format": "float-quantized"}
