@@ -140,6 +140,14 @@ bool group_of(const QuantGemvArgs& a, GroupOf& out) {
   return true;
 }
 
+// Activation row m's V inputs from k0 + j as floats (rows past a.m read row 0: always valid,
+// and their sums are never written).
+template <typename T>
+__device__ __forceinline__ void activations(const QuantGemvArgs& a, const typename T::Storage* x, int m, int k0,
+                                            int j, float (&xf)[T::kVec]) {
+  T::to_float(*reinterpret_cast<const uint4*>(x + (m < a.m ? m : 0) * a.x_stride + k0 + j), xf);
+}
+
 template <typename T, QuantCode C, int M, bool kMins>
 __device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4& cv, int v, GroupOf vec_group,
                                             const float* scales, const float* mins,
@@ -164,9 +172,8 @@ __device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4&
     for (int j = 0; j < P / V; ++j) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const auto* xr = x + (m < a.m ? m : 0) * a.x_stride + k0 + j * V;
         float xf[V];
-        T::to_float(*reinterpret_cast<const uint4*>(xr), xf);
+        activations<T>(a, x, m, k0, j * V, xf);
 #pragma unroll
         for (int i = 0; i < V; ++i) part[m] = fmaf(q[j * V + i], xf[i], part[m]);
       }
@@ -183,9 +190,8 @@ __device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4&
     for (int i = 0; i < V; ++i) w[i] = q[j * V + i] * s + mn;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const auto* xr = x + (m < a.m ? m : 0) * a.x_stride + k0 + j * V;
       float xf[V];
-      T::to_float(*reinterpret_cast<const uint4*>(xr), xf);
+      activations<T>(a, x, m, k0, j * V, xf);
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[m] += w[i] * xf[i];
     }
