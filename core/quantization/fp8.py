@@ -22,6 +22,7 @@ weight is quantized per output channel while it loads (:func:`quantize_fp8_rows`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -192,6 +193,12 @@ class CompressedTensorsMethod(QuantizationMethod):
                 f"compressed-tensors groups in several formats ({sorted(formats)}) are not supported; "
                 "supported: one format for the whole model"
             )
+        int_settings = {json.dumps(g.get("weights"), sort_keys=True) for g in groups.values()}
+        if formats == {"pack-quantized"} and len(int_settings) > 1:
+            raise ValueError(
+                f"compressed-tensors pack-quantized groups with different weight settings "
+                f"({sorted(int_settings)}) are not supported; supported: one setting for every group"
+            )
         return cls(config)
 
     @staticmethod
@@ -290,9 +297,10 @@ class CompressedTensorsMethod(QuantizationMethod):
 
         asymmetric = self._asymmetric
         required = ("weight_packed", "weight_scale", "weight_shape") + (("weight_zero_point",) if asymmetric else ())
-        return group_parts(_drop(weights, (".input_scale", ".input_zero_point", ".output_scale",
-                                           ".output_zero_point", *KV_SCALE_SUFFIXES)),
-                           required, build, fmt="compressed-tensors")
+        unused = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", *KV_SCALE_SUFFIXES)
+        if not asymmetric:
+            unused += (".weight_zero_point",)  # zeros by definition, where a writer keeps them
+        return group_parts(_drop(weights, unused), required, build, fmt="compressed-tensors")
 
     def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
         if self._int:  # signed 4-bit codes as checkpoint_weights restates them

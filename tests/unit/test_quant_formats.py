@@ -212,6 +212,10 @@ def test_compressed_tensors_w4a16_is_read_and_formats_may_not_mix():
     mixed["config_groups"]["group_1"] = {"targets": ["Linear"], "weights": fp8, "format": "float-quantized"}
     with pytest.raises(ValueError, match="several formats"):
         resolve_quantization(None, _Config(mixed), None, _Everything)
+    two = _ct(W4A16)  # e.g. attention in groups of 128, the MLP per channel: one setting is read
+    two["config_groups"]["group_1"] = {"targets": ["Linear"], "weights": {**W4A16, "strategy": "channel"}}
+    with pytest.raises(ValueError, match="different weight settings"):
+        resolve_quantization(None, _Config(two), None, _Everything)
     with pytest.raises(ValueError, match="'naive-quantized'"):
         resolve_quantization(None, _Config(_ct(W4A16, fmt="naive-quantized")), None, _Everything)
 
