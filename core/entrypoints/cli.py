@@ -93,7 +93,6 @@ def cmd_chat(ns) -> int:
 def _chat_loop(llm, ns) -> int:
     """Read a line, stream the reply, repeat. Ctrl-C during a reply stops it (see
     core.entrypoints.terminal); at the prompt, Ctrl-D or a second Ctrl-C quits."""
-    from core.entrypoints.signals import forget_ctrl_c
     from core.entrypoints.terminal import stream_reply
 
     try:
@@ -104,22 +103,11 @@ def _chat_loop(llm, ns) -> int:
     if ns.system:
         history.append({"role": "system", "content": ns.system})
     print("Type a message and press Enter. Ctrl-C stops a reply; Ctrl-D quits.", file=sys.stderr)
-    interrupted = False
     while True:
-        try:
-            line = input("> ")
-        except EOFError:
+        line = _read_line()
+        if line is None:
             print(file=sys.stderr)
             return 0
-        except KeyboardInterrupt:
-            forget_ctrl_c()  # handled here: a later error is reported as itself
-            if interrupted:
-                print(file=sys.stderr)
-                return 0
-            print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
-            interrupted = True
-            continue
-        interrupted = False
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
@@ -134,6 +122,35 @@ def _chat_loop(llm, ns) -> int:
             print("[reply stopped]", file=sys.stderr)
         # a stopped reply stays in the history: the user saw it and may refer to it
         history.append({"role": "assistant", "content": reply.text})
+
+
+def _read_line() -> str | None:
+    """The next line typed at the prompt, or None to quit: Ctrl-D, or Ctrl-C twice in a row.
+
+    After the first Ctrl-C, a second one quits wherever it lands: in ``input()`` or in the
+    few instructions between the hint and the next ``input()`` (a second Ctrl-C sent as soon
+    as the hint shows lands there on a busy machine, and used to escape as an unhandled
+    interrupt: exit status 130 instead of 0)."""
+    from core.entrypoints.signals import forget_ctrl_c
+
+    pressed = False
+    try:
+        while True:
+            try:
+                return input("> ")
+            except KeyboardInterrupt:
+                forget_ctrl_c()  # handled here: a later error is reported as itself
+                if pressed:
+                    return None
+                pressed = True
+                print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
+    except EOFError:
+        return None
+    except KeyboardInterrupt:
+        if not pressed:
+            raise  # the first Ctrl-C before input() started: not at the prompt yet
+        forget_ctrl_c()
+        return None
 
 
 def cmd_platforms(ns) -> int:
