@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +51,15 @@ def chat_model(tmp_path_factory) -> Path:
     return _never_ending(tiny_llama_dir(tmp_path_factory.mktemp("cli"), max_position_embeddings=MAX_LEN))
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default. A process started in the background
+    by a non-interactive shell (``make test &``, a CI runner's job) inherits SIGINT ignored,
+    Python then installs no KeyboardInterrupt handler, and every Ctrl-C these tests send
+    would be dropped (they failed so on 2026-12-06, waiting for "Ctrl-C again"). A user's
+    terminal delivers it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "CORE_PLATFORM": "cpu", "CORE_NUM_THREADS": "1",
             "CORE_LOG_LEVEL": "WARNING", "TERM": "dumb"}
@@ -62,7 +72,8 @@ def _spawn_chat(model: Path, *extra: str) -> pexpect.spawn:
     args = ["-m", "core.entrypoints.cli", "chat", "--model", str(model), "--dtype", "float32",
             "--block-size", "16", "--num-blocks-override", str(blocks), "--max-tokens", str(MAX_LEN - 64), *extra]
     child = pexpect.spawn(sys.executable, args, env=_env(), cwd=str(ROOT), encoding="utf-8",
-                          codec_errors="replace", timeout=REPLY_TIMEOUT, dimensions=(40, 200))
+                          codec_errors="replace", timeout=REPLY_TIMEOUT, dimensions=(40, 200),
+                          preexec_fn=_ctrl_c_as_in_a_terminal)
     child.expect_exact(PROMPT, timeout=START_TIMEOUT)
     return child
 
@@ -113,7 +124,7 @@ def test_generate_streams_and_ctrl_c_stops(chat_model, tmp_path):
     err = tmp_path / "stderr.txt"
     child = pexpect.spawn("/bin/sh", ["-c", 'exec "$0" "$@" 2>"$CORE_TEST_STDERR"', sys.executable, *args],
                           env={**_env(), "CORE_TEST_STDERR": str(err)}, cwd=str(ROOT), encoding="utf-8",
-                          codec_errors="replace", timeout=START_TIMEOUT)
+                          codec_errors="replace", timeout=START_TIMEOUT, preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         child.expect(r"\S")  # reply text
         child.sendintr()

@@ -49,6 +49,10 @@ def test_ctrl_c_in_the_command_is_one_line_and_130(monkeypatch, capsys):
 def test_an_error_after_a_ctrl_c(handled, rc, monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_generate", _ctrl_c_then_an_error(handled))
     previous = signal.getsignal(signal.SIGINT)
+    # Python's own handler, as in a terminal: pytest started in the background by a
+    # non-interactive shell (`make test &`) inherits SIGINT ignored, and the SIGINT below
+    # would then never arrive (this test failed so on 2026-12-06).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert cli.main(["generate", "hi"]) == rc
     finally:
