@@ -233,12 +233,16 @@ class CompressedTensorsMethod(QuantizationMethod):
                    for g in self.config["config_groups"].values())
 
     @property
+    def _int_args(self) -> dict[str, Any]:
+        """The pack-quantized weight settings (one for every group: from_config checks)."""
+        return next(iter(self.config["config_groups"].values()))["weights"]
+
+    @property
     def _asymmetric(self) -> bool:
-        return next(iter(self.config["config_groups"].values()))["weights"].get("symmetric") is False
+        return self._int_args.get("symmetric") is False
 
     def _int_group(self, cols: int) -> int:
-        w = next(iter(self.config["config_groups"].values()))["weights"]
-        return cols if w.get("strategy") == "channel" else w["group_size"]
+        return cols if self._int_args.get("strategy") == "channel" else self._int_args["group_size"]
 
     def _block(self) -> tuple[int, int] | None:
         for group in self.config["config_groups"].values():
