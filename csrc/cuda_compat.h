@@ -227,6 +227,38 @@ __device__ __forceinline__ void mma_f16_16x8x16(float (&c)[4], const uint32_t (&
 #endif
 }
 
+// The same tile with bf16 A and B (fp32 accumulation; sm_80+).
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  (void)c, (void)a, (void)b;
+  __trap();
+#endif
+}
+
+// a * b + c on a pair of fp16 (kBf16 false) or bf16 (true) values held as bits, rounded to
+// nearest even (sm_80+, like the mma above).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t fma_pair_bits(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d = 0;
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBf16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+#elif defined(__CUDA_ARCH__)
+  (void)a, (void)b, (void)c;
+  __trap();
+#endif
+  return d;
+}
+
 #ifndef USE_ROCM
 // Whether the current device has the fp16 mma.sync above (compute capability 8.0+), cached
 // per device; host side (the launchers pick their tensor-core kernels by it).

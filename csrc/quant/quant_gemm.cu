@@ -6,10 +6,14 @@
 // registers, dequantizes it (one FMA per weight) and multiplies it into every activation row
 // (small, L1/L2 resident): the weights are read once whatever the number of rows. fp8 codes
 // with 16-bit activations take the tensor-core kernel below instead (fp8_gemv_mma_kernel) at
-// 2-16 rows, and at one row on small weights (fp8_mma_applies).
+// 2-16 rows, and at one row on small weights (fp8_mma_applies); int4 codes with 16-bit
+// activations and integer zero points likewise at 2-16 rows, and at one row on long rows
+// (int4_gemv_mma_kernel, int4_mma_applies).
 //
 // quant_dequant: W in the activation dtype, for prefill steps, which then run one dense GEMM
 // (compute-bound there, so the extra pass over W is small next to it).
+#include <type_traits>
+
 #include "../cuda_compat.h"
 #include "../dtype_traits.cuh"
 #include "quant_gemm.h"
@@ -124,17 +128,17 @@ struct GroupOf {
   }
 };
 
-// false where the multiply-high would not be exact (rows of 2^16 vectors or more, i.e.
-// k >= 2^20 fp8 inputs, with more than one group).
-template <QuantCode C>
-bool group_of(const QuantGemvArgs& a, GroupOf& out) {
-  const int64_t d = a.group / Codes<C>::kPer, vecs = a.k / Codes<C>::kPer;
+// The lookup for a row of `units` pieces of `per` inputs (a code vector, a tensor-core
+// half-trip), each inside one group; false where the multiply-high would not be exact (rows
+// of 2^16 vectors or more, i.e. k >= 2^20 fp8 inputs, with more than one group).
+bool group_of(const QuantGemvArgs& a, int per, GroupOf& out) {
+  const int64_t d = a.group / per, units = a.k / per;
   if (a.group == a.k) {
     out = {0u, 0};
   } else if (d == 1) {
     out = {0u, 1};
   } else {
-    if (vecs * d >= (int64_t(1) << 32)) return false;
+    if (units * d >= (int64_t(1) << 32)) return false;
     out = {static_cast<uint32_t>(((int64_t(1) << 32) + d - 1) / d), 0};
   }
   return true;
@@ -296,7 +300,9 @@ void launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t
 template <typename T, QuantCode C>
 cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   GroupOf groups;
-  if (!group_of<C>(a, groups) || (a.mins != nullptr && C != QuantCode::kInt4)) return cudaErrorInvalidValue;
+  if (!group_of(a, Codes<C>::kPer, groups) || (a.mins != nullptr && C != QuantCode::kInt4)) {
+    return cudaErrorInvalidValue;
+  }
   if (a.m <= 2 && a.mins != nullptr) {
     if constexpr (C == QuantCode::kInt4) {
       if (a.m <= 1) {
@@ -318,6 +324,59 @@ cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   }
   return cudaGetLastError();
 }
+
+#ifndef USE_ROCM
+// ---- decode GEMVs on tensor cores (NVIDIA sm_80+): what the fp8 and int4 kernels share ------
+// A warp owns 16 output rows (one m16n8k16 tile) and n-tiles of 8 activation rows; a CTA of
+// `split` warps splits K over the same 16 rows.
+constexpr int kMmaRowsPerWarp = 16;
+constexpr int kMmaMaxSplit = 8;
+
+// Warps per CTA: split K while the grid stays under ~2,048 warps (about 15 per SM of an
+// H200: enough loads in flight) and every warp keeps >= 4 trips of its loop.
+inline int choose_mma_split(int tiles, int trips) {
+  int split = 1;
+  while (split < kMmaMaxSplit && int64_t(tiles) * split * 2 <= 2048 && trips / (split * 2) >= 4) split *= 2;
+  return split;
+}
+
+// The tile's sums, acc[nt]: rows g (e 0-1) and g + 8 (e 2-3) of the tile starting at row0,
+// activation rows 8 nt + 2 t + (e & 1) (g = lane / 4, t = lane % 4). Warp 0 adds the other
+// warps' sums in a fixed order (deterministic) and writes the rows that exist.
+template <typename T, int NT>
+__device__ __forceinline__ void mma_tile_store(const QuantGemvArgs& a, float (&acc)[NT][4], int row0) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int split = blockDim.x / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  if (split > 1) {
+    __shared__ float red[kMmaMaxSplit][NT * 4][kWarpSize];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[warp][nt * 4 + e][lane] = acc[nt][e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    for (int w = 1; w < split; ++w) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += red[w][nt * 4 + e][lane];
+      }
+    }
+  }
+  auto* out = static_cast<typename T::Storage*>(a.out);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = 8 * nt + 2 * t + (e & 1);
+      const int row = row0 + g + (e >= 2 ? 8 : 0);
+      if (m < a.m && row < a.n) out[int64_t(m) * a.n + row] = T::from_float(acc[nt][e]);
+    }
+  }
+}
+#endif  // USE_ROCM
 
 #if CORE_HAS_FP8_KV
 // ---- fp8 weights on tensor cores (decode rows, fp16/bf16 activations) ---------------------
@@ -344,10 +403,8 @@ cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
 //
 // Small layers (the output projection, the down projection: 256 tiles of 16 rows) give too
 // few warps to keep HBM busy, so a CTA of S warps splits K over the same 16 rows (S from
-// choose_fp8_mma_split) and adds its partial sums through shared memory.
-constexpr int kMmaRowsPerWarp = 16;
+// choose_mma_split) and adds its partial sums through shared memory.
 constexpr int kMmaTrip = 128;  // inputs per trip and warp
-constexpr int kMmaMaxSplit = 8;
 
 template <typename T>
 struct MmaActivations;
@@ -485,42 +542,7 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
     for (int i = 0; i < 4; ++i) cur[i] = next[i];
   }
 
-  if (split > 1) {  // warp 0 adds the other warps' sums (fixed order: deterministic)
-    __shared__ float red[kMmaMaxSplit][NT * 4][kWarpSize];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[warp][nt * 4 + e][lane] = acc[nt][e];
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    for (int w = 1; w < split; ++w) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] += red[w][nt * 4 + e][lane];
-      }
-    }
-  }
-  // acc[nt]: rows g (e 0-1) and g + 8 (e 2-3) of the tile, activation rows 8 nt + 2 t + (e & 1).
-  auto* out = static_cast<typename T::Storage*>(a.out);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int m = 8 * nt + 2 * t + (e & 1);
-      const int row = row0 + g + (e >= 2 ? 8 : 0);
-      if (m < a.m && row < a.n) out[int64_t(m) * a.n + row] = T::from_float(acc[nt][e]);
-    }
-  }
-}
-
-// Warps per CTA: split K while the grid stays under ~2,048 warps (about 15 per SM of an
-// H200: enough loads in flight) and every warp keeps >= 4 trips.
-inline int choose_fp8_mma_split(int tiles, int trips) {
-  int split = 1;
-  while (split < kMmaMaxSplit && int64_t(tiles) * split * 2 <= 2048 && trips / (split * 2) >= 4) split *= 2;
-  return split;
+  mma_tile_store<T, NT>(a, acc, row0);
 }
 
 // A single activation row over a large weight (Llama-3-8B's QKV, gate/up, down) stays on the
@@ -542,7 +564,7 @@ bool fp8_mma_applies(const QuantGemvArgs& a) {
 template <typename T>
 cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
   const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
-  const dim3 grid(tiles), block(choose_fp8_mma_split(tiles, a.k / kMmaTrip) * kWarpSize);
+  const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kMmaTrip) * kWarpSize);
   if (a.m <= 8) {
     fp8_gemv_mma_kernel<T, 1><<<grid, block, 0, stream>>>(a);
   } else {
@@ -551,6 +573,221 @@ cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 #endif  // CORE_HAS_FP8_KV
+
+#ifndef USE_ROCM
+// ---- int4 weights on tensor cores (decode rows, fp16/bf16 activations) --------------------
+// The CUDA-core kernel turns every int4 code into a float with I2F, a quarter-rate
+// instruction on sm_90: at one row it read codes at ~1.5 TB/s on an H100 (2026-12-06), bound
+// by that, not by HBM. Here a warp owns 16 output rows and multiplies them with mma.sync
+// m16n8k16 in the activations' own type (fp16 x fp16 or bf16 x bf16, fp32 sums), so the
+// activations enter as they are, and a weight costs a quarter of a LOP3, an eighth of a
+// shift and a quarter of a paired FMA:
+//
+// * a code q (0..15) in the low 4 mantissa bits of the magic number M (1024 in fp16, 128 in
+//   bf16: both have a unit in the last place of 1 there) reads as M + q, so one LOP3 makes
+//   two of them per 32-bit word, and one paired FMA (x 1 - (M + z)) makes them q - z exactly
+//   (|q - z| < 128 fits either type's significand). A word's nibbles (0, 4), (1, 5), (2, 6)
+//   and (3, 7) come out as the pairs, from the word shifted by 0, 4, 8 and 12 bits;
+// * a dot product may visit its inputs in any order as long as A and B agree: mma step
+//   2i + e of a half-trip takes word i's pairs 2e and 2e + 1 as this lane's k-slots
+//   (2t, 2t+1 | 2t+8, 2t+9), and B the activations at the same inputs, paired by one PRMT
+//   each from the 16-byte vector the lane loads;
+// * w = (q - z) * s: the group's scale multiplies the half-trip's fp32 sums once (groups of
+//   128 or more inputs). Every product is exact, so only the fp32 additions round: closer
+//   to the float64 reference than the CUDA-core kernel's fp32 dequantization.
+//
+// Zero points z: the caller's `zeros`, bytes [n, k / group] with mins == -z * scale exactly
+// (AWQ, GPTQ, GGUF Q4_0: platforms/cuda/quant.py finds them); no mins means z = 0. Arbitrary
+// float mins (GGUF Q4_1, Q4_K) stay on the CUDA cores.
+//
+// One trip of the loop covers 256 inputs as two halves of 128: lane (g, t) loads the 32
+// codes k0 + 128 h + 32 t .. +32 (16 bytes) of rows g and g + 8, four 16-byte loads per
+// trip, with the next trip's codes, zero points and scales in flight (a half's group by
+// multiply-high, as in the CUDA-core kernel).
+constexpr int kInt4MmaTrip = 256;
+constexpr int kInt4MmaHalf = 128;
+
+template <typename T>
+struct Int4Mma;
+
+template <>
+struct Int4Mma<Fp16> {
+  static constexpr uint32_t kMagic = 0x64006400u;  // 1024.0 in each half
+  static constexpr uint32_t kOne = 0x3c003c00u;
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    mma_f16_16x8x16(c, a, b);
+  }
+};
+
+template <>
+struct Int4Mma<Bf16> {
+  static constexpr uint32_t kMagic = 0x43004300u;  // 128.0 in each half
+  static constexpr uint32_t kOne = 0x3f803f80u;
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    mma_bf16_16x8x16(c, a, b);
+  }
+};
+
+// -(M + z) in both halves of a word of T's pairs: M + z (z < 128) has M's exponent and z in
+// its low mantissa bits, like a code, so it is M's bits plus z with the sign bit set.
+template <typename T>
+__device__ __forceinline__ uint32_t int4_offset(uint32_t z) {
+  return (Int4Mma<T>::kMagic | 0x80008000u) + z * 0x10001u;
+}
+
+// Word w's codes minus z as the pairs (0, 4), (1, 5), (2, 6), (3, 7) of T.
+template <typename T>
+__device__ __forceinline__ void int4_pairs(uint32_t w, uint32_t offset, uint32_t (&p)[4]) {
+  constexpr bool kBf16 = std::is_same<T, Bf16>::value;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    p[j] = fma_pair_bits<kBf16>(((w >> (4 * j)) & 0x000f000fu) | Int4Mma<T>::kMagic, Int4Mma<T>::kOne, offset);
+  }
+}
+
+// The 32 activations at x (16-byte aligned) as B pairs matching int4_pairs: b[i][j] holds
+// inputs 8 i + j and 8 i + j + 4. Lanes past the last activation row read row 0 unmasked:
+// an mma's output column n depends only on B's column n, and those columns are never stored.
+__device__ __forceinline__ void int4_activation_pairs(const uint16_t* x, uint32_t (&b)[4][4]) {
+  const uint4* v = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t w[4];
+    unpack_words(__ldg(v + i), w);  // (x0, x1) (x2, x3) (x4, x5) (x6, x7)
+    b[i][0] = byte_perm(w[0], w[2], 0x5410u);
+    b[i][1] = byte_perm(w[0], w[2], 0x7632u);
+    b[i][2] = byte_perm(w[1], w[3], 0x5410u);
+    b[i][3] = byte_perm(w[1], w[3], 0x7632u);
+  }
+}
+
+// NT: n-tiles of 8 activation rows (1 for m <= 8, 2 for m <= 16).
+template <typename T, int NT>
+__global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
+    int4_gemv_mma_kernel(const QuantGemvArgs a, const GroupOf half_group) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int split = blockDim.x / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * kMmaRowsPerWarp;
+  // Rows past n (the last tile) recompute row n - 1 and are never written.
+  const int r_lo = min(row0 + g, a.n - 1), r_hi = min(row0 + g + 8, a.n - 1);
+  const uint8_t* w_lo = a.codes + int64_t(r_lo) * (a.k / 2) + 16 * t;
+  const uint8_t* w_hi = a.codes + int64_t(r_hi) * (a.k / 2) + 16 * t;
+  const int groups = a.k / a.group;
+  const float* s_lo = a.scales + int64_t(r_lo) * groups;
+  const float* s_hi = a.scales + int64_t(r_hi) * groups;
+  const uint8_t* z_lo = a.zeros != nullptr ? a.zeros + int64_t(r_lo) * groups : nullptr;
+  const uint8_t* z_hi = a.zeros != nullptr ? a.zeros + int64_t(r_hi) * groups : nullptr;
+  const auto* x = static_cast<const uint16_t*>(a.x);
+  const uint16_t* x_row[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int m = g + 8 * nt;
+    x_row[nt] = x + int64_t(m < a.m ? m : 0) * a.x_stride + 32 * t;
+  }
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+  const int trips = a.k / kInt4MmaTrip;
+  // A trip's codes, zero points and scales; [2 h] / [2 h + 1]: half h's of rows g / g + 8.
+  struct Trip {
+    uint4 codes[4];
+    uint32_t zeros[4];
+    float scales[4];
+  };
+  auto load = [&](int c, Trip& v) {
+    const int64_t b = int64_t(c) * (kInt4MmaTrip / 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int grp = half_group(2 * c + h);
+      v.codes[2 * h] = __ldg(reinterpret_cast<const uint4*>(w_lo + b + h * (kInt4MmaHalf / 2)));
+      v.codes[2 * h + 1] = __ldg(reinterpret_cast<const uint4*>(w_hi + b + h * (kInt4MmaHalf / 2)));
+      v.zeros[2 * h] = z_lo != nullptr ? __ldg(z_lo + grp) : 0u;
+      v.zeros[2 * h + 1] = z_hi != nullptr ? __ldg(z_hi + grp) : 0u;
+      v.scales[2 * h] = __ldg(s_lo + grp);
+      v.scales[2 * h + 1] = __ldg(s_hi + grp);
+    }
+  };
+  int c = warp;
+  Trip cur{};
+  if (c < trips) load(c, cur);
+  for (; c < trips; c += split) {
+    // The next trip is in flight while this one multiplies. Two in flight was slower (H100,
+    // 2026-12-06: gate/up at one row 37.1 -> 42.1 us): the kernel is bound by its issue
+    // rate, not by HBM latency, and the extra copies of a trip's registers cost issue slots.
+    Trip next{};
+    if (c + split < trips) load(c + split, next);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k0 = c * kInt4MmaTrip + h * kInt4MmaHalf;
+      uint32_t b[NT][4][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) int4_activation_pairs(x_row[nt] + k0, b[nt]);
+      const uint32_t off_lo = int4_offset<T>(cur.zeros[2 * h]);
+      const uint32_t off_hi = int4_offset<T>(cur.zeros[2 * h + 1]);
+      uint32_t lo[4], hi[4];
+      unpack_words(cur.codes[2 * h], lo);
+      unpack_words(cur.codes[2 * h + 1], hi);
+      float part[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t pl[4], ph[4];
+        int4_pairs<T>(lo[i], off_lo, pl);
+        int4_pairs<T>(hi[i], off_hi, ph);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t af[4] = {pl[2 * e], ph[2 * e], pl[2 * e + 1], ph[2 * e + 1]};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t bf[2] = {b[nt][i][2 * e], b[nt][i][2 * e + 1]};
+            Int4Mma<T>::mma(part[nt], af, bf);
+          }
+        }
+      }
+      const float sl = cur.scales[2 * h], sh = cur.scales[2 * h + 1];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] = fmaf(part[nt][0], sl, acc[nt][0]);
+        acc[nt][1] = fmaf(part[nt][1], sl, acc[nt][1]);
+        acc[nt][2] = fmaf(part[nt][2], sh, acc[nt][2]);
+        acc[nt][3] = fmaf(part[nt][3], sh, acc[nt][3]);
+      }
+    }
+    cur = next;
+  }
+  mma_tile_store<T, NT>(a, acc, row0);
+}
+
+// At one activation row the kernel is bound by its instruction issue (ncu on an H200,
+// 2026-12-06: no eligible warp in 48 % of cycles, DRAM at 28 % of peak) and reads Llama-3-8B's
+// QKV and gate/up no faster than the CUDA-core kernel, its output projection 1 us slower (8.8
+// vs 7.8 us, H100); it wins on long rows (the down projection, k = 14,336: 19.2 vs 20.8 us)
+// and at every M >= 2 (2-7x). So one row takes it only from kInt4MmaMinKAtOneRow inputs.
+constexpr int kInt4MmaMinKAtOneRow = 8192;
+
+bool int4_mma_applies(const QuantGemvArgs& a) {
+  return a.tensor_cores && a.code == QuantCode::kInt4 && a.dtype != DType::kFloat32 &&
+         a.k % kInt4MmaTrip == 0 && a.group % kInt4MmaHalf == 0 && (a.mins == nullptr || a.zeros != nullptr) &&
+         (a.m > 1 || a.k >= kInt4MmaMinKAtOneRow) && device_has_mma_f16();
+}
+
+template <typename T>
+cudaError_t launch_int4_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
+  GroupOf half_group;
+  if (!group_of(a, kInt4MmaHalf, half_group)) return cudaErrorInvalidValue;
+  const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
+  const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kInt4MmaTrip) * kWarpSize);
+  if (a.m <= 8) {
+    int4_gemv_mma_kernel<T, 1><<<grid, block, 0, stream>>>(a, half_group);
+  } else {
+    int4_gemv_mma_kernel<T, 2><<<grid, block, 0, stream>>>(a, half_group);
+  }
+  return cudaGetLastError();
+}
+#endif  // USE_ROCM
 
 template <typename T, QuantCode C>
 cudaError_t launch_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
@@ -699,6 +936,11 @@ cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
 #if CORE_HAS_FP8_KV
   if (fp8_mma_applies(a)) {
     return a.dtype == DType::kFloat16 ? launch_fp8_gemv_mma<Fp16>(a, stream) : launch_fp8_gemv_mma<Bf16>(a, stream);
+  }
+#endif
+#ifndef USE_ROCM
+  if (int4_mma_applies(a)) {
+    return a.dtype == DType::kFloat16 ? launch_int4_gemv_mma<Fp16>(a, stream) : launch_int4_gemv_mma<Bf16>(a, stream);
   }
 #endif
   return dispatch<GemvLauncher>(a, stream);

@@ -30,11 +30,13 @@ struct QuantGemvArgs {
   const uint8_t* codes;   // [n, row_bytes]
   const float* scales;    // [n, k / group]
   const float* mins;      // [n, k / group] or nullptr
+  const uint8_t* zeros;   // int4 only, optional: [n, k / group] zero points z < 128 with
+                          // mins == -z * scale exactly (w = (code - z) * scale), or nullptr
   int64_t x_stride;
   int m, n, k, group;
   QuantCode code;
   DType dtype;
-  bool tensor_cores;      // fp8 only: allow the tensor-core kernel where it applies
+  bool tensor_cores;      // fp8 and int4: allow the tensor-core kernels where they apply
 };
 
 // out = x @ W^T for m <= kQuantGemvMaxRows rows (decode steps), each weight read once for
@@ -42,8 +44,12 @@ struct QuantGemvArgs {
 // group % 128 == 0 run on tensor cores on sm_80+ (unless tensor_cores is false; at m == 1 only
 // for weights of at most 2^24 codes, where they are faster): fp16 inputs
 // to mma.sync, bf16 activations scaled per 128 inputs by a power of two into fp16's range
-// (exact down to 2^-28 of each 128's largest), fp32 sums. Everything else: one warp per
-// weight row on CUDA cores. Returns
+// (exact down to 2^-28 of each 128's largest), fp32 sums. int4 codes with fp16/bf16
+// activations, k % 256 == 0, group % 128 == 0 and no mins or `zeros` given run on tensor
+// cores too (sm_80+, unless tensor_cores is false; at m == 1 only for k >= 8192, where they
+// are faster): codes - zeros in the activations' type (exact), fp32 sums, the scale once per
+// group. Everything else: one warp per weight row on
+// CUDA cores. Returns
 // cudaErrorInvalidValue for shapes outside the contract above, and for rows of 2^16 or more
 // 16-byte code vectors with more than one group whose (k / kPer) * (group / kPer) reaches
 // 2^32 (k of 1.4M+ inputs: the kernel finds a vector's group by a 32-bit multiply-high).

@@ -75,12 +75,19 @@ void check_launch(cudaError_t err, const char* op) {
 }
 
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group, bool tensor_cores) {
+                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group, bool tensor_cores,
+                const c10::optional<at::Tensor>& zeros) {
   const QuantCode c = code_of(code, "quant_gemv");
   const int64_t k = check_weight(codes, scales, mins, c, group, "quant_gemv");
   TORCH_CHECK(!mins.has_value() || c == QuantCode::kInt4,
               "core_C.quant_gemv: mins are taken with int4 codes only (code " + std::to_string(code) +
                   "); dequantize with quant_dequant and use a dense GEMM for this weight");
+  if (zeros.has_value()) {  // the mins restated as integer zero points (quant_gemm.h)
+    TORCH_CHECK(mins.has_value() && zeros->scalar_type() == at::kByte && zeros->is_contiguous() &&
+                    zeros->sizes() == scales.sizes() && zeros->device() == codes.device(),
+                "core_C.quant_gemv: zeros " + shape(*zeros) + " must come with mins and be contiguous uint8 "
+                    "like scales " + shape(scales));
+  }
   const int64_t per = c == QuantCode::kInt4 ? 32 : 16;  // inputs per 16-byte code vector
   TORCH_CHECK(group == k || (k / per) * (group / per) < (int64_t(1) << 32),
               "core_C.quant_gemv: k = " + std::to_string(k) + " with groups of " + std::to_string(group) +
@@ -105,6 +112,7 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, c
   a.codes = static_cast<const uint8_t*>(codes.data_ptr());
   a.scales = scales.data_ptr<float>();
   a.mins = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  a.zeros = zeros.has_value() ? static_cast<const uint8_t*>(zeros->data_ptr()) : nullptr;
   a.x_stride = x.stride(0);
   a.m = static_cast<int>(x.size(0));
   a.n = static_cast<int>(codes.size(0));
@@ -173,7 +181,7 @@ void quant_fp8_activations(at::Tensor& codes, at::Tensor& scales, const at::Tens
 
 // ---- Meta: ranks only (sizes may be symbolic under torch.compile) ----------------------------
 void quant_gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>&, int64_t, int64_t, bool) {
+                     const c10::optional<at::Tensor>&, int64_t, int64_t, bool, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
               "quant_gemv: expected 2-d out, x, codes and scales");
 }
@@ -194,7 +202,7 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def("quant_fp8_activations(Tensor(a!) codes, Tensor(b!) scales, Tensor x, int group) -> ()");
   m.def(
       "quant_gemv(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
-      "int group, bool tensor_cores=True) -> ()");
+      "int group, bool tensor_cores=True, Tensor? zeros=None) -> ()");
   m.def(
       "quant_dequant(Tensor(a!) out, Tensor codes, Tensor scales, Tensor? mins, int code, "
       "int group) -> ()");

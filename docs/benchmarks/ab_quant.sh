@@ -4,7 +4,8 @@
 # .base`, carried with the call), and this tree; each JIT-builds its kernels, then runs
 # cuda_quant.sh's `gemv` (quant_bench at 1-16 rows: bf16 cuBLAS, fp8 on tensor and CUDA cores,
 # int4), `fp8_latency` and `awq_latency` (batch-1 TPOT) steps, or those named in STEPS; this
-# tree runs tests/cuda/test_cuda_quant.py first. Carry .base and .whl:
+# tree runs tests/cuda/test_cuda_quant.py first; BASE_STEPS (default STEPS) picks the base's
+# steps where the new tree's benchmark has variants the base lacks. Carry .base and .whl:
 #   OUT=/tmp/abq bash docs/benchmarks/ab_quant.sh
 # Everything lands in $OUT/abq.tgz; the summaries are printed last.
 set -u
@@ -12,7 +13,7 @@ OUT=${OUT:-/tmp/abq}
 STEPS=${STEPS:-gemv fp8_latency awq_latency}
 cp docs/benchmarks/cuda_quant.sh .base/docs/benchmarks/
 [ -d .whl ] && ln -sfn ../.whl .base/.whl
-(cd .base && OUT=$OUT/base DEADLINE=${BASE_S:-220} bash docs/benchmarks/cuda_quant.sh build $STEPS \
+(cd .base && OUT=$OUT/base DEADLINE=${BASE_S:-220} bash docs/benchmarks/cuda_quant.sh build ${BASE_STEPS:-$STEPS} \
   >"$OUT/base.txt" 2>&1)
 OUT=$OUT/new DEADLINE=${NEW_S:-330} bash docs/benchmarks/cuda_quant.sh build test_quant $STEPS >"$OUT/new.txt" 2>&1
 tar czf "$OUT/abq.tgz" -C "$OUT" base new base.txt new.txt

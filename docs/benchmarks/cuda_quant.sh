@@ -5,7 +5,7 @@
 # through the fp8 GEMV, prefill through _scaled_mm with per-token activation scales) batch-1
 # TPOT, 1,000 x 1,024/128 and 500 x 1,000/1,000 (the last also with --kv-cache-dtype fp8 and
 # --max-num-seqs 512: the fp8 cache holds all 500 sequences at once); AWQ int4
-# (group 128) batch-1 TPOT.
+# (group 128) batch-1 TPOT (and batch 8, when named).
 # From the repository root, nothing installed (about 8 minutes in all; carry .whl as for
 # cuda_e2e.sh):
 #   OUT=/tmp/out bash docs/benchmarks/cuda_quant.sh [step ...]    (default: every step)
@@ -66,11 +66,14 @@ run kernels 90 python3 -m platforms.cuda.quant_bench --rows 1 4 16 64 256 2048 \
   --output-json "$RES/kernels.json"
 # The decode-row GEMVs alone, every row count they serve (run only when named).
 opt gemv 90 python3 -m platforms.cuda.quant_bench --rows 1 2 4 8 16 \
-  --variants bf16 fp8-gemv fp8-gemv-cuda-cores int4-gemv --output-json "$RES/gemv.json"
+  --variants bf16 fp8-gemv fp8-gemv-cuda-cores int4-gemv int4-gemv-cuda-cores --output-json "$RES/gemv.json"
 run fp8_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_FP8 --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/fp8_latency.json"
 run awq_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/awq_latency.json"
+# Eight requests at once: the decode GEMVs at 8 rows (run only when named).
+opt awq_latency_b8 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --batch-size 8 --input-len 128 \
+  --output-len 256 --num-iters 3 --output-json "$RES/awq_latency_b8.json"
 run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 1000 \
   --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1024_128.json"
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
@@ -86,7 +89,7 @@ res = sys.argv[1]
 def load(name):
     p = os.path.join(res, name + ".json")
     return json.load(open(p)) if os.path.exists(p) else None
-for name in ("fp8_latency", "awq_latency"):
+for name in ("fp8_latency", "awq_latency", "awq_latency_b8"):
     r = load(name)
     if r:
         print(f"{name}: TPOT {r['tpot_ms_median']} ms (min {r['tpot_ms_min']}), TTFT {r['ttft_ms_median']} ms, "

@@ -3,8 +3,9 @@
 Per step size (the number of activation rows ``M``):
 
 * ``M <= GEMV_MAX_ROWS`` (decode): ``core_C.quant_gemv`` (csrc/quant), a weight-only GEMV that
-  reads each weight once as its 4- or 8-bit code (int4, int8 or fp8 e4m3) and multiplies in
-  float32 against unquantized activations;
+  reads each weight once as its 4- or 8-bit code (int4, int8 or fp8 e4m3) and multiplies
+  against unquantized activations with float32 sums (fp8, and int4 with integer zero points:
+  :func:`integer_zeros`, on tensor cores);
 * larger steps (prefill): FP8 weights go through ``torch._scaled_mm`` (cuBLASLt FP8 tensor
   cores) with activations quantized per token while running (per token and 128 inputs for
   128-input weight groups); integer weights are dequantized once by ``core_C.quant_dequant``
@@ -62,12 +63,35 @@ class PackedQuant:
     row_align: int = 1
     """Block-scaled FP8: ``_scaled_mm`` gets its activation rows padded to a multiple of
     this (see :func:`block_scaled_rows`)."""
+    zeros: torch.Tensor | None = None
+    """int4 only: the mins restated as integer zero points, uint8 [N, K / group]
+    (:func:`integer_zeros`); the tensor-core GEMV takes them, None keeps it on CUDA cores."""
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes 0..15 -> [N, K / 2] bytes, input 2j in the low nibble of byte j."""
     c = codes.to(torch.uint8)
     return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+ZERO_LIMIT = 127
+"""The largest zero point the int4 tensor-core GEMV takes (csrc/quant/quant_gemm.h: M + z
+and q - z must stay exact in bf16, whose unit in the last place is 1 up to 255)."""
+
+
+def integer_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
+    """The zero points z (uint8) with ``mins == -z * scales`` exactly in float32, or None
+    where any group's min is not such a multiple (GGUF Q4_1 and Q4_K have free mins) or z
+    falls outside 0..ZERO_LIMIT. AWQ, GPTQ (``min = -z * s``, exact: core/quantization/int4.py)
+    and GGUF Q4_0 (``-8 d``, d of either sign) have them; with them the GEMV computes ``(q - z) * s`` on tensor cores, exactly the weight
+    the checkpoint defines, where ``q * s + min`` rounds twice."""
+    s, m = scales.float(), mins.float()
+    if not torch.isfinite(s).all():
+        return None
+    z = torch.where(s == 0, 0.0, -m / s).round()  # a zero scale's group: all zeros, if its min is
+    if (z < 0).any() or (z > ZERO_LIMIT).any() or not torch.equal(-(z * s), m):
+        return None
+    return z.to(torch.uint8)
 
 
 def _pack(weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
@@ -93,9 +117,12 @@ def _pack(weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
         return None  # csrc/quant finds a vector's group by a 32-bit multiply-high (quant_gemm.h)
     codes = pack_int4_rows(weight.codes) if weight.bits == 4 else weight.codes.view(torch.uint8).contiguous()
     mins = None if weight.mins is None else weight.mins.float().contiguous().to(device)
+    zeros = None
+    if weight.bits == 4 and mins is not None:
+        zeros = integer_zeros(weight.scales.to(device), mins)
     perm = None if weight.perm is None else weight.perm.to(device)
     return PackedQuant(codes.to(device), weight.scales.float().contiguous().to(device), mins,
-                       INT4 if weight.bits == 4 else INT8, weight.group, perm)
+                       INT4 if weight.bits == 4 else INT8, weight.group, perm, zeros=zeros)
 
 
 def dequantize_packed(p: PackedQuant, dtype: torch.dtype) -> torch.Tensor:
@@ -232,7 +259,8 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
             if x2.data_ptr() % 16:  # the kernel reads 16-byte vectors
                 x2 = x2.clone()
             y = torch.empty(rows, packed.codes.shape[0], dtype=x.dtype, device=x.device)
-            load_ops().quant_gemv(y, x2, packed.codes, packed.scales, packed.mins, packed.code, packed.group)
+            load_ops().quant_gemv(y, x2, packed.codes, packed.scales, packed.mins, packed.code, packed.group,
+                                  True, packed.zeros)
             if bias is not None:
                 y += bias
         elif packed.code == FP8 and packed.scale_b is not None:

@@ -13,7 +13,9 @@ its weight from HBM (as in a decode step):
   same op held to its CUDA-core kernel (``tensor_cores=False``), for comparison;
 * ``fp8-scaled-mm``: ``torch._scaled_mm`` (rowwise scales), activations quantized per token
   in the same call (what the FP8 path runs above the GEMV's rows);
-* ``int4-gemv``: the GEMV over AWQ-style int4 codes, group 128 with mins (M <= 16);
+* ``int4-gemv``: the GEMV over AWQ-style int4 codes, group 128 with zero points (M <= 16),
+  on tensor cores (what AWQ / GPTQ run for decode steps); ``int4-gemv-cuda-cores``: the same
+  op held to its CUDA-core kernel (what GGUF Q4_1 / Q4_K, whose mins are free, run);
 * ``int4-dequant-gemm``: ``core_C.quant_dequant`` to bf16 then ``F.linear`` (int4 prefill).
 
 Reported: median microseconds per call (40 back-to-back calls replayed from a CUDA graph, so
@@ -89,8 +91,8 @@ def _int4(n: int, k: int, gen: torch.Generator) -> IntWeight:
     return IntWeight(4, codes, scales, -8 * scales, 128)
 
 
-VARIANTS = ("bf16", "fp8-gemv", "fp8-gemv-cuda-cores", "fp8-scaled-mm", "int4-gemv", "int4-dequant-gemm",
-            "int4-method")
+VARIANTS = ("bf16", "fp8-gemv", "fp8-gemv-cuda-cores", "fp8-scaled-mm", "int4-gemv", "int4-gemv-cuda-cores",
+            "int4-dequant-gemm", "int4-method")
 """The names :func:`variants` gives, in its order."""
 
 
@@ -107,7 +109,7 @@ def variants(n: int, k: int, gen: torch.Generator):
 
     def gemv(p, x, tensor_cores=True):
         y = torch.empty(x.shape[0], n, dtype=x.dtype, device=dev)
-        ops.quant_gemv(y, x, p.codes, p.scales, p.mins, p.code, p.group, tensor_cores)
+        ops.quant_gemv(y, x, p.codes, p.scales, p.mins, p.code, p.group, tensor_cores, p.zeros)
         return y
 
     def ref(p, x):
@@ -122,6 +124,7 @@ def variants(n: int, k: int, gen: torch.Generator):
         ("fp8-gemv-cuda-cores", n * k, 16, fp8, lambda p, x: gemv(p, x, False), lambda x: ref(fp8, x)),
         ("fp8-scaled-mm", n * k, None, fp8, lambda p, x: fp8_scaled_mm(p, x), lambda x: ref(fp8, x)),
         ("int4-gemv", n * k // 2, 16, int4, gemv, lambda x: ref(int4, x)),
+        ("int4-gemv-cuda-cores", n * k // 2, 16, int4, lambda p, x: gemv(p, x, False), lambda x: ref(int4, x)),
         ("int4-dequant-gemm", n * k // 2, None, int4,
          lambda p, x: F.linear(x, dequantize_packed(p, x.dtype)), lambda x: ref(int4, x)),
         ("int4-method", n * k // 2, None, int4, lambda p, x: linear.matmul(p, x, None), lambda x: ref(int4, x)),

@@ -3,7 +3,8 @@ reference on fresh random inputs.
 
 * ``core_C.quant_gemv`` (1..16 rows) and ``core_C.quant_dequant`` for int4 (with and without
   mins, groups of 32, 96 and 128), int8 (groups of 32 and 96) and fp8 (per-row and 128-input groups) weights, fp16 /
-  bf16 / fp32 activations, against ``x @ W.T`` with W dequantized by
+  bf16 / fp32 activations, on tensor cores (fp8; int4 with integer zero points) and CUDA
+  cores, against ``x @ W.T`` with W dequantized by
   :meth:`IntWeight.dequantize` / :meth:`Fp8Weight.dequantize` in float64 (the dequantization
   itself must be exact: fp32 on both sides);
 * ``CudaQuantizedLinear`` end to end through ``pack``/``matmul`` for decode and prefill sizes,
@@ -115,12 +116,17 @@ def test_gemv_and_dequant_fp8_codes(dtype, group, m):
     check(y, reference(x, w), dtype, k)
 
 
-def _fp8_gemv(packed, x, tensor_cores: bool) -> torch.Tensor:
+def _gemv(packed, x, tensor_cores: bool, zeros=None) -> torch.Tensor:
+    """core_C.quant_gemv on the packed weight (its mins; ``zeros`` as given)."""
     from platforms.cuda.build import load_ops
 
     out = torch.full((x.shape[0], packed.codes.shape[0]), float("nan"), dtype=x.dtype, device=DEV)
-    load_ops().quant_gemv(out, x, packed.codes, packed.scales, None, packed.code, packed.group, tensor_cores)
+    load_ops().quant_gemv(out, x, packed.codes, packed.scales, packed.mins, packed.code, packed.group, tensor_cores,
+                          zeros)
     return out
+
+
+_fp8_gemv = _gemv
 
 
 # (n, k, group): an odd number of 16-row tiles (208: the platform packs only n % 16 == 0);
@@ -164,6 +170,101 @@ def test_fp8_gemv_tensor_cores_take_the_range_of_bf16_activations():
     got = _fp8_gemv(packed, x, True)
     for row in range(4):  # each row on its own scale
         check(got[row : row + 1], want[row : row + 1], torch.bfloat16, k)
+
+
+def zero_point_weight(rows, cols, group, gen, zmax=15, scales=None) -> tuple[IntWeight, torch.Tensor]:
+    """An AWQ / GPTQ-style int4 weight: codes 0..15, integer zero points z in 0..zmax per
+    group and ``min = -z * s`` (exact, as core/quantization/int4.py restates them); and z."""
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    if scales is None:
+        scales = torch.rand(rows, cols // group, generator=gen) * 0.02 + 0.001
+    z = torch.randint(0, zmax + 1, (rows, cols // group), generator=gen).float()
+    return IntWeight(4, codes, scales, -(z * scales), group), z
+
+
+# (n, k, group): odd numbers of 16-row tiles (208, 96), split K from 1 warp per tile (2,048
+# rows) to 8 (64 rows of 14,336), one group per row (1,024) and groups of 256; k % 256 != 0
+# (1,152) keeps the CUDA cores.
+INT4_GEMV_SHAPES = [(384, 1024, 128), (208, 4096, 128), (2048, 4096, 128), (64, 14336, 128), (256, 1024, 1024),
+                    (96, 2048, 256), (96, 1152, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", INT4_GEMV_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("zeros", ["none", "4-bit", "7-bit"])
+def test_int4_gemv_tensor_cores_and_cuda_cores_match_the_reference(dtype, n, k, group, m, zeros):
+    """int4 codes with no mins (z = 0), zero points of 4 bits (AWQ, GPTQ) and up to 127 (the
+    largest the tensor cores take exactly): the zero points are found at packing, both
+    kernels agree with the float64 product, and the tensor cores' split sums are deterministic."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{n}/{k}/{group}/{m}/{dtype}/{zeros}".encode()))
+    if zeros == "none":
+        w = int_weight(n, k, 4, group, False, gen)
+    else:
+        w, z = zero_point_weight(n, k, group, gen, zmax=15 if zeros == "4-bit" else 127)
+    packed = _pack(w, DEV)
+    if zeros != "none":
+        assert packed.zeros is not None and torch.equal(packed.zeros.cpu(), z.to(torch.uint8))
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    want = reference(x, w)
+    for tensor_cores in (True, False):
+        check(_gemv(packed, x, tensor_cores, packed.zeros), want, dtype, k)
+    assert torch.equal(_gemv(packed, x, True, packed.zeros), _gemv(packed, x, True, packed.zeros))
+    # the platform's linear takes the same path
+    check(linear(dtype).matmul(packed, x, None), want, dtype, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_int4_gemv_is_exact_where_the_sums_are(dtype, tensor_cores):
+    """Small integer activations and power-of-two scales make every product and every fp32
+    sum exact, so both kernels must return the float64 product rounded once, bit for bit: a
+    code multiplied with any other input than its own (the tensor cores pair codes and
+    activations by permutation) would show."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, group = 256, 2048, 128
+    scales = 2.0 ** -torch.randint(4, 9, (n, k // group), generator=gen).float()
+    w, _ = zero_point_weight(n, k, group, gen, scales=scales)
+    packed = _pack(w, DEV)
+    assert packed.zeros is not None
+    for m in (1, 5, 16):
+        x = torch.randint(-3, 4, (m, k), generator=gen).to(dtype).to(DEV)
+        want = reference(x, w)  # |sum| < 2^17 in steps of 2^-8: exact in fp32 as well
+        got = _gemv(packed, x, tensor_cores, packed.zeros)
+        assert torch.equal(got, want.to(dtype)), (m, (got.double() - want).abs().max().item())
+
+
+def test_int4_tensor_cores_take_the_zero_points_where_they_apply():
+    """quant_gemv's zeros restate its mins. Given zeros that contradict the mins, the result
+    shows which kernel ran: the tensor cores follow the zeros (fp16 / bf16, k % 256 == 0,
+    groups of 128 or more, 2+ rows or k >= 8192), the CUDA cores the mins (tensor_cores
+    False, fp32, k % 256 != 0, groups of 32, one row of k < 8192)."""
+    gen = torch.Generator().manual_seed(5)
+    for m, n, k, group, dtype, tensor_cores, follows in [
+        (2, 128, 1024, 128, torch.bfloat16, True, "zeros"),
+        (2, 128, 1024, 128, torch.float16, True, "zeros"),
+        (1, 64, 8192, 128, torch.bfloat16, True, "zeros"),
+        (1, 128, 1024, 128, torch.bfloat16, True, "mins"),
+        (2, 128, 1024, 128, torch.bfloat16, False, "mins"),
+        (2, 128, 1024, 128, torch.float32, True, "mins"),
+        (2, 128, 1152, 128, torch.bfloat16, True, "mins"),
+        (2, 128, 1024, 32, torch.bfloat16, True, "mins"),
+    ]:
+        w, z = zero_point_weight(n, k, group, gen)
+        other = (z + 3) % 16  # contradicts the mins
+        w_other = IntWeight(4, w.codes, w.scales, -(other * w.scales), group)
+        packed = _pack(w, DEV)
+        x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+        got = _gemv(packed, x, tensor_cores, other.to(torch.uint8).to(DEV))
+        check(got, reference(x, w_other if follows == "zeros" else w), dtype, k)
+
+
+def test_the_packing_finds_zero_points_only_where_they_restate_the_mins():
+    gen = torch.Generator().manual_seed(2)
+    assert _pack(int_weight(64, 512, 4, 128, True, gen), DEV).zeros is None  # free mins (Q4_1-like)
+    assert _pack(int_weight(64, 512, 4, 128, False, gen), DEV).zeros is None  # no mins: z = 0
+    w, z = zero_point_weight(64, 512, 128, gen)
+    assert torch.equal(_pack(w, DEV).zeros.cpu(), z.to(torch.uint8))
 
 
 @pytest.mark.parametrize("group", [1024, 128])

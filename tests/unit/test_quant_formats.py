@@ -281,3 +281,71 @@ def test_cuda_fp8_decoding_trick_is_exact_for_every_finite_code():
     decoded = torch.where(codes >= 0x80, -magnitude, magnitude)
     want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
     assert torch.equal(decoded[finite], want[finite])
+
+
+def _byte_perm(a: int, b: int, selector: int) -> int:
+    """PRMT: byte i of the result is byte (selector >> 4 i) & 7 of the 8 bytes b:a."""
+    both = (b << 32) | a
+    return sum(((both >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+@pytest.mark.parametrize("dtype,magic", [(torch.float16, 0x6400), (torch.bfloat16, 0x4300)])
+def test_cuda_int4_tensor_core_decoding_is_exact(dtype, magic):
+    """csrc/quant's int4 tensor-core GEMV: a code q in the low bits of the magic number M
+    reads as M + q, the offset -(M + z) is M's bits plus z with the sign set, and one fma
+    (x 1 - (M + z)) in the activations' type gives q - z exactly for every code and every
+    zero point the packing admits (0..ZERO_LIMIT)."""
+    from platforms.cuda.quant import ZERO_LIMIT
+
+    base = torch.tensor([magic], dtype=torch.int16).view(dtype).item()
+    q = torch.arange(16)
+    as_code = (q | magic).to(torch.int16).view(dtype).double()
+    assert torch.equal(as_code, base + q.double())
+    for z in range(ZERO_LIMIT + 1):
+        # the kernel's offset: M's bits plus z with the sign bit set
+        offset = torch.tensor([(magic | 0x8000) + z], dtype=torch.int32).to(torch.int16).view(dtype)
+        assert offset.double().item() == -(base + z)
+        got = (as_code + offset.double()).to(dtype)  # a * 1 + c, rounded once
+        assert torch.equal(got.double(), (q - z).double()), z
+
+
+def test_cuda_int4_tensor_core_pairs_meet_their_own_activations():
+    """The kernel's A pairs (a word shifted by 4 j, nibbles j and j + 4) and its B pairs (PRMT
+    0x5410 / 0x7632 of the activation words) must hold the same inputs: their dot product,
+    taken pair by pair as the mma does, is the plain one."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (8,), generator=gen)
+    x = torch.randint(1, 1000, (8,), generator=gen)  # distinct 16-bit "activations"
+    word = sum(int(c) << (4 * i) for i, c in enumerate(codes))
+    xw = [int(x[2 * i]) | (int(x[2 * i + 1]) << 16) for i in range(4)]  # (x0, x1) ... (x6, x7)
+    b = [_byte_perm(xw[0], xw[2], 0x5410), _byte_perm(xw[0], xw[2], 0x7632),
+         _byte_perm(xw[1], xw[3], 0x5410), _byte_perm(xw[1], xw[3], 0x7632)]
+    total = 0
+    for j in range(4):
+        a = (word >> (4 * j)) & 0x000F000F
+        total += (a & 0xFFFF) * (b[j] & 0xFFFF) + (a >> 16) * (b[j] >> 16)
+    assert total == int((codes * x).sum())
+
+
+def test_cuda_int4_zero_points_are_found_only_where_they_restate_the_mins():
+    from core.quantization.int4 import _int_weight
+    from platforms.cuda.quant import integer_zeros
+
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randint(0, 16, (8, 64), generator=gen)  # AWQ / GPTQ: [K / G, N]
+    s = (torch.rand(8, 64, generator=gen) * 0.01).half()
+    w = _int_weight(torch.randint(0, 16, (1024, 64), generator=gen, dtype=torch.uint8), z, s, 128)
+    assert torch.equal(integer_zeros(w.scales, w.mins), z.t().to(torch.uint8))
+    d = torch.randn(64, 32, generator=gen).half().float()  # GGUF Q4_0: d of either sign, min -8 d
+    assert torch.equal(integer_zeros(d, -8 * d), torch.full((64, 32), 8, dtype=torch.uint8))
+    assert integer_zeros(w.scales, w.mins + 1e-3) is None  # free mins (Q4_1, Q4_K)
+    assert integer_zeros(d, -200 * d) is None  # beyond ZERO_LIMIT
+    assert integer_zeros(d, 3 * d) is None  # negative zero point
+    zero = d.clone()
+    zero[0, 0] = 0.0  # a group of zeros (its scale 0): any zero point, the kernel gets 0
+    want = torch.full((64, 32), 8, dtype=torch.uint8)
+    want[0, 0] = 0
+    assert torch.equal(integer_zeros(zero, -8 * zero), want)
+    free = -8 * zero
+    free[0, 0] = 0.5
+    assert integer_zeros(zero, free) is None  # a zero scale with a nonzero min
