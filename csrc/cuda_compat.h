@@ -203,8 +203,8 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
   return __byte_perm(a, b, selector);
 }
 
-// c += A (16 x 16, fp16, row-major) x B (16 x 8, fp16, column-major), fp32 accumulation: one
-// warp-wide mma.sync m16n8k16. Fragments (g = lane / 4, t = lane % 4): a[0] = A[g][2t, 2t+1],
+// c += A (16 x 16, row-major) x B (16 x 8, column-major), both fp16 (kBf16 false) or both
+// bf16 (true), fp32 accumulation: one warp-wide mma.sync m16n8k16. Fragments (g = lane / 4, t = lane % 4): a[0] = A[g][2t, 2t+1],
 // a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
 // b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c = C[g][2t, 2t+1], C[g+8][2t, 2t+1].
 // Only kernels that the host launches on sm_80+ call it (CORE_HAS_MMA_F16; elsewhere it traps).
@@ -214,31 +214,28 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
 #define CORE_HAS_MMA_F16 0
 #endif
 
-__device__ __forceinline__ void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+template <bool kBf16>
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#define CORE_MMA_16X8X16(TYPE)                                                                         \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                 \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+  if constexpr (kBf16) {
+    CORE_MMA_16X8X16("bf16");
+  } else {
+    CORE_MMA_16X8X16("f16");
+  }
+#undef CORE_MMA_16X8X16
 #elif defined(__CUDA_ARCH__)
   (void)c, (void)a, (void)b;
   __trap();
 #endif
 }
 
-// The same tile with bf16 A and B (fp32 accumulation; sm_80+).
-__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if !defined(USE_ROCM) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#elif defined(__CUDA_ARCH__)
-  (void)c, (void)a, (void)b;
-  __trap();
-#endif
+__device__ __forceinline__ void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  mma_16x8x16<false>(c, a, b);
 }
 
 // a * b + c on a pair of fp16 (kBf16 false) or bf16 (true) values held as bits, rounded to

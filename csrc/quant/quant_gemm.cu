@@ -607,25 +607,12 @@ cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
 constexpr int kInt4MmaTrip = 256;
 constexpr int kInt4MmaHalf = 128;
 
+// The activation type's constants: M (the magic number) and 1.0 in both halves of a word.
 template <typename T>
-struct Int4Mma;
-
-template <>
-struct Int4Mma<Fp16> {
-  static constexpr uint32_t kMagic = 0x64006400u;  // 1024.0 in each half
-  static constexpr uint32_t kOne = 0x3c003c00u;
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    mma_f16_16x8x16(c, a, b);
-  }
-};
-
-template <>
-struct Int4Mma<Bf16> {
-  static constexpr uint32_t kMagic = 0x43004300u;  // 128.0 in each half
-  static constexpr uint32_t kOne = 0x3f803f80u;
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    mma_bf16_16x8x16(c, a, b);
-  }
+struct Int4Mma {
+  static constexpr bool kBf16 = std::is_same<T, Bf16>::value;
+  static constexpr uint32_t kMagic = kBf16 ? 0x43004300u : 0x64006400u;  // 128.0 / 1024.0
+  static constexpr uint32_t kOne = kBf16 ? 0x3f803f80u : 0x3c003c00u;
 };
 
 // -(M + z) in both halves of a word of T's pairs: M + z (z < 128) has M's exponent and z in
@@ -638,10 +625,10 @@ __device__ __forceinline__ uint32_t int4_offset(uint32_t z) {
 // Word w's codes minus z as the pairs (0, 4), (1, 5), (2, 6), (3, 7) of T.
 template <typename T>
 __device__ __forceinline__ void int4_pairs(uint32_t w, uint32_t offset, uint32_t (&p)[4]) {
-  constexpr bool kBf16 = std::is_same<T, Bf16>::value;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    p[j] = fma_pair_bits<kBf16>(((w >> (4 * j)) & 0x000f000fu) | Int4Mma<T>::kMagic, Int4Mma<T>::kOne, offset);
+    p[j] = fma_pair_bits<Int4Mma<T>::kBf16>(((w >> (4 * j)) & 0x000f000fu) | Int4Mma<T>::kMagic, Int4Mma<T>::kOne,
+                                             offset);
   }
 }
 
@@ -743,7 +730,7 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const uint32_t bf[2] = {b[nt][i][2 * e], b[nt][i][2 * e + 1]};
-            Int4Mma<T>::mma(part[nt], af, bf);
+            mma_16x8x16<Int4Mma<T>::kBf16>(part[nt], af, bf);
           }
         }
       }
