@@ -238,8 +238,8 @@ __device__ __forceinline__ void mma_f16_16x8x16(float (&c)[4], const uint32_t (&
   mma_16x8x16<false>(c, a, b);
 }
 
-// a * b + c on a pair of fp16 (kBf16 false) or bf16 (true) values held as bits, rounded to
-// nearest even (sm_80+, like the mma above).
+// a * b + c on a pair of fp16 (kBf16 false) or bf16 (true) values held as bits, rounded once
+// to nearest even (sm_80+).
 template <bool kBf16>
 __device__ __forceinline__ uint32_t fma_pair_bits(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d = 0;

@@ -580,8 +580,8 @@ cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
 // instruction on sm_90: at one row it read codes at ~1.5 TB/s on an H100 (2026-12-06), bound
 // by that, not by HBM. Here a warp owns 16 output rows and multiplies them with mma.sync
 // m16n8k16 in the activations' own type (fp16 x fp16 or bf16 x bf16, fp32 sums), so the
-// activations enter as they are, and a weight costs a quarter of a LOP3, an eighth of a
-// shift and a quarter of a paired FMA:
+// activations enter as they are, and a weight costs half a LOP3, 3/8 of a shift and half a
+// paired FMA (and a PRMT per two activations, shared by the tile's 16 rows):
 //
 // * a code q (0..15) in the low 4 mantissa bits of the magic number M (1024 in fp16, 128 in
 //   bf16: both have a unit in the last place of 1 there) reads as M + q, so one LOP3 makes
@@ -593,12 +593,15 @@ cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
 //   (2t, 2t+1 | 2t+8, 2t+9), and B the activations at the same inputs, paired by one PRMT
 //   each from the 16-byte vector the lane loads;
 // * w = (q - z) * s: the group's scale multiplies the half-trip's fp32 sums once (groups of
-//   128 or more inputs). Every product is exact, so only the fp32 additions round: closer
-//   to the float64 reference than the CUDA-core kernel's fp32 dequantization.
+//   128 or more inputs). Every product is exact, so only the sums round: closer to the
+//   float64 reference than the CUDA-core kernel's fp32 dequantization. (The scale coming
+//   last, a half-trip's sum of activations near fp32's limit, ~1e36 x 128 x 15, could
+//   overflow where the CUDA-core kernel's would not.)
 //
 // Zero points z: the caller's `zeros`, bytes [n, k / group] with mins == -z * scale exactly
-// (AWQ, GPTQ, GGUF Q4_0: platforms/cuda/quant.py finds them); no mins means z = 0. Arbitrary
-// float mins (GGUF Q4_1, Q4_K) stay on the CUDA cores.
+// (AWQ, GPTQ with groups of 128 or more: platforms/cuda/quant.py finds them; the caller is
+// trusted, z < 128 unchecked here); no mins means z = 0. Arbitrary float mins (GGUF Q4_1,
+// Q4_K), groups below 128 (GGUF Q4_0's 32) and fp32 activations stay on the CUDA cores.
 //
 // One trip of the loop covers 256 inputs as two halves of 128: lane (g, t) loads the 32
 // codes k0 + 128 h + 32 t .. +32 (16 bytes) of rows g and g + 8, four 16-byte loads per
@@ -917,8 +920,9 @@ bool valid_shape(int n, int k, int group, QuantCode code) {
 
 cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   if (a.m == 0) return cudaSuccess;
-  if (a.m < 0 || a.m > kQuantGemvMaxRows || !valid_shape(a.n, a.k, a.group, a.code)) {
-    return cudaErrorInvalidValue;
+  if (a.m < 0 || a.m > kQuantGemvMaxRows || !valid_shape(a.n, a.k, a.group, a.code) ||
+      (a.zeros != nullptr && (a.mins == nullptr || a.code != QuantCode::kInt4))) {
+    return cudaErrorInvalidValue;  // zeros restate int4 mins: the CUDA cores apply the mins
   }
 #if CORE_HAS_FP8_KV
   if (fp8_mma_applies(a)) {

@@ -30,8 +30,9 @@ struct QuantGemvArgs {
   const uint8_t* codes;   // [n, row_bytes]
   const float* scales;    // [n, k / group]
   const float* mins;      // [n, k / group] or nullptr
-  const uint8_t* zeros;   // int4 only, optional: [n, k / group] zero points z < 128 with
-                          // mins == -z * scale exactly (w = (code - z) * scale), or nullptr
+  const uint8_t* zeros;   // int4 with mins only, optional: [n, k / group] zero points z < 128
+                          // with mins == -z * scale exactly (w = (code - z) * scale), or
+                          // nullptr; trusted: the tensor cores use them, the CUDA cores the mins
   int64_t x_stride;
   int m, n, k, group;
   QuantCode code;
@@ -50,9 +51,11 @@ struct QuantGemvArgs {
 // are faster): codes - zeros in the activations' type (exact), fp32 sums, the scale once per
 // group. Everything else: one warp per weight row on
 // CUDA cores. Returns
-// cudaErrorInvalidValue for shapes outside the contract above, and for rows of 2^16 or more
-// 16-byte code vectors with more than one group whose (k / kPer) * (group / kPer) reaches
-// 2^32 (k of 1.4M+ inputs: the kernel finds a vector's group by a 32-bit multiply-high).
+// cudaErrorInvalidValue for shapes outside the contract above, zeros without mins or with
+// other codes than int4, and, where the CUDA-core kernel runs, rows of 2^16 or more 16-byte
+// code vectors with more than one group whose (k / kPer) * (group / kPer) reaches 2^32 (k of
+// 1.4M+ inputs: the kernel finds a vector's group by a 32-bit multiply-high; the torch op
+// refuses those rows whichever kernel would run).
 constexpr int kQuantGemvMaxRows = 16;
 cudaError_t quant_gemv(const QuantGemvArgs& args, cudaStream_t stream);
 

@@ -65,7 +65,8 @@ class PackedQuant:
     this (see :func:`block_scaled_rows`)."""
     zeros: torch.Tensor | None = None
     """int4 only: the mins restated as integer zero points, uint8 [N, K / group]
-    (:func:`integer_zeros`); the tensor-core GEMV takes them, None keeps it on CUDA cores."""
+    (:func:`integer_zeros`), kept only for shapes the tensor-core GEMV takes; None keeps a
+    weight with mins on the CUDA cores."""
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -77,14 +78,17 @@ def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
 ZERO_LIMIT = 127
 """The largest zero point the int4 tensor-core GEMV takes (csrc/quant/quant_gemm.h: M + z
 and q - z must stay exact in bf16, whose unit in the last place is 1 up to 255)."""
+INT4_MMA_GROUP, INT4_MMA_TRIP = 128, 256
+"""The int4 tensor-core GEMV's shapes (csrc/quant/quant_gemm.cu, int4_mma_applies): groups a
+multiple of 128 inputs, rows a multiple of 256; zero points are kept only for those."""
 
 
 def integer_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
     """The zero points z (uint8) with ``mins == -z * scales`` exactly in float32, or None
     where any group's min is not such a multiple (GGUF Q4_1 and Q4_K have free mins) or z
-    falls outside 0..ZERO_LIMIT. AWQ, GPTQ (``min = -z * s``, exact: core/quantization/int4.py)
-    and GGUF Q4_0 (``-8 d``, d of either sign) have them; with them the GEMV computes ``(q - z) * s`` on tensor cores, exactly the weight
-    the checkpoint defines, where ``q * s + min`` rounds twice."""
+    falls outside 0..ZERO_LIMIT. AWQ and GPTQ (``min = -z * s``, exact for their fp16 scales:
+    core/quantization/int4.py) and GGUF Q4_0 (``-8 d``, d of either sign) have them; with
+    them the tensor-core GEMV computes ``(q - z) * s``, where ``q * s + min`` rounds twice."""
     s, m = scales.float(), mins.float()
     if not torch.isfinite(s).all():
         return None
@@ -117,12 +121,13 @@ def _pack(weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
         return None  # csrc/quant finds a vector's group by a 32-bit multiply-high (quant_gemm.h)
     codes = pack_int4_rows(weight.codes) if weight.bits == 4 else weight.codes.view(torch.uint8).contiguous()
     mins = None if weight.mins is None else weight.mins.float().contiguous().to(device)
+    scales = weight.scales.float().contiguous().to(device)
     zeros = None
-    if weight.bits == 4 and mins is not None:
-        zeros = integer_zeros(weight.scales.to(device), mins)
+    if weight.bits == 4 and mins is not None and weight.group % INT4_MMA_GROUP == 0 and cols % INT4_MMA_TRIP == 0:
+        zeros = integer_zeros(scales, mins)  # only where the tensor cores can use them (Q4_0's groups of 32 not)
     perm = None if weight.perm is None else weight.perm.to(device)
-    return PackedQuant(codes.to(device), weight.scales.float().contiguous().to(device), mins,
-                       INT4 if weight.bits == 4 else INT8, weight.group, perm, zeros=zeros)
+    return PackedQuant(codes.to(device), scales, mins, INT4 if weight.bits == 4 else INT8, weight.group, perm,
+                       zeros=zeros)
 
 
 def dequantize_packed(p: PackedQuant, dtype: torch.dtype) -> torch.Tensor:

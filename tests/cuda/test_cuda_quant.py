@@ -183,10 +183,11 @@ def zero_point_weight(rows, cols, group, gen, zmax=15, scales=None) -> tuple[Int
 
 
 # (n, k, group): odd numbers of 16-row tiles (208, 96), split K from 1 warp per tile (2,048
-# rows) to 8 (64 rows of 14,336), one group per row (1,024) and groups of 256; k % 256 != 0
-# (1,152) keeps the CUDA cores.
+# rows) to 8 (64 rows of 14,336), trips not a multiple of the split (4,608: 18 trips over 4
+# warps), one group per row (1,024), groups of 256 and of 384 (three half-trips: an inexact
+# reciprocal in the group lookup); k % 256 != 0 (1,152) keeps the CUDA cores.
 INT4_GEMV_SHAPES = [(384, 1024, 128), (208, 4096, 128), (2048, 4096, 128), (64, 14336, 128), (256, 1024, 1024),
-                    (96, 2048, 256), (96, 1152, 128)]
+                    (96, 2048, 256), (64, 4608, 128), (96, 3072, 384), (96, 1152, 128)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -216,24 +217,48 @@ def test_int4_gemv_tensor_cores_and_cuda_cores_match_the_reference(dtype, n, k, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tensor_cores", [True, False])
-def test_int4_gemv_is_exact_where_the_sums_are(dtype, tensor_cores):
+@pytest.mark.parametrize("k", [2048, 8192])
+def test_int4_gemv_is_exact_where_the_sums_are(dtype, tensor_cores, k):
     """Small integer activations and power-of-two scales make every product and every fp32
     sum exact, so both kernels must return the float64 product rounded once, bit for bit: a
     code multiplied with any other input than its own (the tensor cores pair codes and
-    activations by permutation) would show."""
-    gen = torch.Generator().manual_seed(11)
-    n, k, group = 256, 2048, 128
+    activations by permutation) would show. k = 8,192 takes the tensor cores at one row too."""
+    gen = torch.Generator().manual_seed(11 + k)
+    n, group = 256, 128
     scales = 2.0 ** -torch.randint(4, 9, (n, k // group), generator=gen).float()
     w, _ = zero_point_weight(n, k, group, gen, scales=scales)
     packed = _pack(w, DEV)
     assert packed.zeros is not None
     for m in (1, 5, 16):
         x = torch.randint(-3, 4, (m, k), generator=gen).to(dtype).to(DEV)
-        want = reference(x, w)  # |sum| < 2^17 in steps of 2^-8: exact in fp32 as well
+        # every partial sum is a multiple of 2^-8 below k * 15 * 3 * 2^-4 = 23,040 (k 8,192):
+        # under 2^24 units, exact in fp32 in any order
+        want = reference(x, w)
         got = _gemv(packed, x, tensor_cores, packed.zeros)
         assert torch.equal(got, want.to(dtype)), (m, (got.double() - want).abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 9])
+def test_int4_tensor_cores_cover_a_partial_last_tile(dtype, m):
+    """200 rows (the op takes any row count; the platform packs multiples of 16): the last
+    16-row tile's rows past n recompute row n - 1 and are never written."""
+    gen = torch.Generator().manual_seed(m)
+    k, group = 1024, 128
+    w, _ = zero_point_weight(208, k, group, gen)
+    packed = _pack(w, DEV)
+    n = 200
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    from platforms.cuda.build import load_ops
+
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    load_ops().quant_gemv(out, x, packed.codes[:n], packed.scales[:n], packed.mins[:n], packed.code, group, True,
+                          packed.zeros[:n])
+    check(out, reference(x, w)[:, :n], dtype, k)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
+                    reason="the tensor-core kernels need sm_80+ (below, every row takes the CUDA cores)")
 def test_int4_tensor_cores_take_the_zero_points_where_they_apply():
     """quant_gemv's zeros restate its mins. Given zeros that contradict the mins, the result
     shows which kernel ran: the tensor cores follow the zeros (fp16 / bf16, k % 256 == 0,
@@ -257,14 +282,6 @@ def test_int4_tensor_cores_take_the_zero_points_where_they_apply():
         x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
         got = _gemv(packed, x, tensor_cores, other.to(torch.uint8).to(DEV))
         check(got, reference(x, w_other if follows == "zeros" else w), dtype, k)
-
-
-def test_the_packing_finds_zero_points_only_where_they_restate_the_mins():
-    gen = torch.Generator().manual_seed(2)
-    assert _pack(int_weight(64, 512, 4, 128, True, gen), DEV).zeros is None  # free mins (Q4_1-like)
-    assert _pack(int_weight(64, 512, 4, 128, False, gen), DEV).zeros is None  # no mins: z = 0
-    w, z = zero_point_weight(64, 512, 128, gen)
-    assert torch.equal(_pack(w, DEV).zeros.cpu(), z.to(torch.uint8))
 
 
 @pytest.mark.parametrize("group", [1024, 128])

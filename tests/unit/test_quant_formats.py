@@ -349,3 +349,28 @@ def test_cuda_int4_zero_points_are_found_only_where_they_restate_the_mins():
     free = -8 * zero
     free[0, 0] = 0.5
     assert integer_zeros(zero, free) is None  # a zero scale with a nonzero min
+
+
+def test_cuda_packing_keeps_zero_points_only_where_the_tensor_cores_use_them():
+    """platforms/cuda/quant.py::_pack (run on the host here): zero points for int4 weights
+    whose mins restate them, in groups of 128+ and rows of a multiple of 256 inputs; none for
+    free mins, no mins, GGUF Q4_0's groups of 32 or other row lengths."""
+    from platforms.cuda.quant import _pack
+
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(6)
+
+    def weight(cols, group, free=False, mins=True):
+        codes = torch.randint(0, 16, (32, cols), generator=gen, dtype=torch.uint8)
+        s = torch.rand(32, cols // group, generator=gen) * 0.01 + 1e-3
+        z = torch.randint(0, 16, (32, cols // group), generator=gen).float()
+        m = (torch.randn(32, cols // group, generator=gen) if free else -(z * s)) if mins else None
+        return IntWeight(4, codes, s, m, group), z
+
+    w, z = weight(512, 128)
+    assert torch.equal(_pack(w, cpu).zeros, z.to(torch.uint8))
+    assert _pack(weight(512, 256)[0], cpu).zeros is not None
+    assert _pack(weight(512, 128, free=True)[0], cpu).zeros is None  # Q4_1 / Q4_K-like
+    assert _pack(weight(512, 128, mins=False)[0], cpu).zeros is None  # z = 0 without them
+    assert _pack(weight(512, 32)[0], cpu).zeros is None  # Q4_0's groups of 32
+    assert _pack(weight(640, 128)[0], cpu).zeros is None  # 640 inputs: not whole 256-input trips
