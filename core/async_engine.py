@@ -358,6 +358,8 @@ class AsyncLLMEngine:
         once the engine core has accepted it. ``exact_max_tokens``: refuse a ``max_tokens``
         that does not fit beside the prompt instead of capping it (see InputProcessor)."""
         request_id = request_id or self._next_id()
+        if arrival_time is None:  # now, so TTFT and the front-end time include tokenization
+            arrival_time = time.monotonic()
         loop = asyncio.get_running_loop()
         with self._lock:
             self._raise_if_dead()

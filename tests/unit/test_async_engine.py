@@ -118,6 +118,21 @@ def test_the_engine_cores_time_stamps_order_with_the_front_ends(engine):
             <= m.finished_time, m
 
 
+def test_arrival_is_stamped_before_tokenization(engine, monkeypatch):
+    """A request arrives when add_request is called: its tokenization (here made to last at
+    least 50 ms) counts towards TTFT and the front-end time, not before the arrival."""
+    tokenize = engine._inputs._tokenize
+
+    def slow(prompt):
+        time.sleep(0.05)
+        return tokenize(prompt)
+
+    monkeypatch.setattr(engine._inputs, "_tokenize", slow)
+    m = asyncio.run(_collect(engine, "slow to tokenize", _greedy(2)))[-1].metrics
+    assert m.engine_received_time - m.arrival_time >= 0.05, m
+    assert m.first_token_time - m.arrival_time >= 0.05, m
+
+
 def test_consumer_leaving_early_aborts_and_frees_blocks(engine, fresh):
     async def run():
         gen = engine.generate("leave early", _greedy(100))
