@@ -358,7 +358,7 @@ class AsyncLLMEngine:
         once the engine core has accepted it. ``exact_max_tokens``: refuse a ``max_tokens``
         that does not fit beside the prompt instead of capping it (see InputProcessor)."""
         request_id = request_id or self._next_id()
-        if arrival_time is None:  # now, so TTFT and the front-end time include tokenization
+        if arrival_time is None:  # now: TTFT and the front-end time include the tokenizer pool's queue
             arrival_time = time.monotonic()
         loop = asyncio.get_running_loop()
         with self._lock:

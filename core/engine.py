@@ -7,7 +7,6 @@ docs/engine.md). The OpenAI server runs the same EngineCore in its own process
 from __future__ import annotations
 
 import math
-import time
 
 from core.engine_args import EngineArgs
 from core.engine_core.core import (
@@ -83,8 +82,6 @@ class LLMEngine:
         (offline batches), sparing the per-step output and detokenization work.
         """
         request_id = request_id if request_id is not None else self._next_id()
-        if arrival_time is None:  # before tokenization, which TTFT includes
-            arrival_time = time.monotonic()
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
         req, text = self.inputs.process(request_id, prompt, params, priority, arrival_time)

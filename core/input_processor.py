@@ -43,10 +43,10 @@ class InputProcessor:
         :raises ValueError: an empty prompt, ids outside the vocabulary, a prompt that leaves
             no room in max_model_len, parameters naming unknown token ids.
         """
+        arrival = time.monotonic() if arrival_time is None else arrival_time  # TTFT includes tokenizing
         params = params or SamplingParams()
         text, ids = self._tokenize(prompt)
         params = self._check_params(params, len(ids), exact_max_tokens)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         return EngineRequest(request_id, tuple(ids), params, priority, arrival), text
 
     def _tokenize(self, prompt: str | list[int] | tuple[int, ...] | None) -> tuple[str | None, list[int]]:

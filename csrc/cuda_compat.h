@@ -204,8 +204,9 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
 }
 
 // c += A (16 x 16, row-major) x B (16 x 8, column-major), both fp16 (kBf16 false) or both
-// bf16 (true), fp32 accumulation: one warp-wide mma.sync m16n8k16. Fragments (g = lane / 4, t = lane % 4): a[0] = A[g][2t, 2t+1],
-// a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
+// bf16 (true), fp32 accumulation: one warp-wide mma.sync m16n8k16. Fragments (g = lane / 4,
+// t = lane % 4): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9],
+// a[3] = A[g+8][2t+8, 2t+9];
 // b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c = C[g][2t, 2t+1], C[g+8][2t, 2t+1].
 // Only kernels that the host launches on sm_80+ call it (CORE_HAS_MMA_F16; elsewhere it traps).
 #if !defined(USE_ROCM) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
