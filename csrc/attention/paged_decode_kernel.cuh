@@ -218,6 +218,7 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeAr
   extern __shared__ float weights[];  // [max_parts]
   __shared__ float scratch[64];
   grid_dependency_wait();  // launched to overlap the main kernel's tail: wait for its results
+  allow_dependent_launch();  // the output projection's GEMV may request its weights from here on
   const int qh = blockIdx.x, seq = blockIdx.y;
   const int len = a.seq_lens[seq];
   const int n_parts = min(a.max_parts, (len + a.partition - 1) / a.partition);

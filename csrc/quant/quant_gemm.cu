@@ -221,6 +221,11 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
   constexpr int U = GemvUnroll<C, M>::kValue;
   int v = lane;
+  // Launched with launch_dependent: the CTAs are resident and their addresses computed while
+  // the kernel that produces x finishes. (Prefetching the first trip's codes into L2 before
+  // this wait cost 6-8 registers in every instance, fp8 at one row 32 -> 40: fewer CTAs per
+  // SM; the tensor-core kernels below load their first trip before the wait for free.)
+  grid_dependency_wait();
   for (; v + (U - 1) * kWarpSize < vecs; v += U * kWarpSize) {
     uint4 cv[U];
 #pragma unroll
@@ -229,6 +234,7 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
     for (int u = 0; u < U; ++u) gemv_vector<T, C, M, kMins>(a, cv[u], v + u * kWarpSize, vec_group, scales, mins, x, acc);
   }
   for (; v < vecs; v += kWarpSize) gemv_vector<T, C, M, kMins>(a, __ldg(codes + v), v, vec_group, scales, mins, x, acc);
+  allow_dependent_launch();  // every code is read: the next kernel may be scheduled
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -288,10 +294,13 @@ __global__ void quant_dequant_kernel(const QuantDequantArgs a) {
   }
 }
 
+// Every GEMV launch is a launch_dependent (cuda_compat.h): each kernel requests its first codes
+// while the kernel before it (the norm, SiLU-and-mul, the attention's reduce) finishes, and
+// waits for it only before reading x.
 template <typename T, QuantCode C, int M, bool kMins>
-void launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
+cudaError_t launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
   const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
-  quant_gemv_kernel<T, C, M, kMins><<<grid, block, 0, stream>>>(a, groups);
+  return launch_dependent(quant_gemv_kernel<T, C, M, kMins>, grid, block, 0, stream, a, groups);
 }
 
 // At 1-2 rows, with and without mins (int4 only) are two instances: a runtime branch between
@@ -305,24 +314,16 @@ cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   }
   if (a.m <= 2 && a.mins != nullptr) {
     if constexpr (C == QuantCode::kInt4) {
-      if (a.m <= 1) {
-        launch_gemv_rows<T, C, 1, true>(a, groups, stream);
-      } else {
-        launch_gemv_rows<T, C, 2, true>(a, groups, stream);
-      }
+      return a.m <= 1 ? launch_gemv_rows<T, C, 1, true>(a, groups, stream)
+                      : launch_gemv_rows<T, C, 2, true>(a, groups, stream);
     }
-  } else if (a.m <= 1) {
-    launch_gemv_rows<T, C, 1, false>(a, groups, stream);
-  } else if (a.m <= 2) {
-    launch_gemv_rows<T, C, 2, false>(a, groups, stream);
-  } else if (a.m <= 4) {
-    launch_gemv_rows<T, C, 4, false>(a, groups, stream);
-  } else if (a.m <= 8) {
-    launch_gemv_rows<T, C, 8, false>(a, groups, stream);
-  } else {
-    launch_gemv_rows<T, C, 16, false>(a, groups, stream);
+    return cudaErrorInvalidValue;  // refused above
   }
-  return cudaGetLastError();
+  if (a.m <= 1) return launch_gemv_rows<T, C, 1, false>(a, groups, stream);
+  if (a.m <= 2) return launch_gemv_rows<T, C, 2, false>(a, groups, stream);
+  if (a.m <= 4) return launch_gemv_rows<T, C, 4, false>(a, groups, stream);
+  if (a.m <= 8) return launch_gemv_rows<T, C, 8, false>(a, groups, stream);
+  return launch_gemv_rows<T, C, 16, false>(a, groups, stream);
 }
 
 #ifndef USE_ROCM
@@ -488,6 +489,7 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
     cur[2] = __ldg(reinterpret_cast<const uint4*>(w_hi + k0));
     cur[3] = __ldg(reinterpret_cast<const uint4*>(w_hi + k0 + 16));
   }
+  grid_dependency_wait();  // the first trip's codes are in flight; x comes from the previous kernel
   for (; c < trips; c += split) {
     const int k0 = c * kMmaTrip;
     // The next trip's codes are in flight while this one multiplies.
@@ -541,7 +543,7 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
 #pragma unroll
     for (int i = 0; i < 4; ++i) cur[i] = next[i];
   }
-
+  allow_dependent_launch();
   mma_tile_store<T, NT>(a, acc, row0);
 }
 
@@ -565,12 +567,8 @@ template <typename T>
 cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
   const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
   const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kMmaTrip) * kWarpSize);
-  if (a.m <= 8) {
-    fp8_gemv_mma_kernel<T, 1><<<grid, block, 0, stream>>>(a);
-  } else {
-    fp8_gemv_mma_kernel<T, 2><<<grid, block, 0, stream>>>(a);
-  }
-  return cudaGetLastError();
+  return a.m <= 8 ? launch_dependent(fp8_gemv_mma_kernel<T, 1>, grid, block, 0, stream, a)
+                  : launch_dependent(fp8_gemv_mma_kernel<T, 2>, grid, block, 0, stream, a);
 }
 #endif  // CORE_HAS_FP8_KV
 
@@ -702,6 +700,7 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
   int c = warp;
   Trip cur{};
   if (c < trips) load(c, cur);
+  grid_dependency_wait();  // the first trip is in flight; x comes from the previous kernel
   for (; c < trips; c += split) {
     // The next trip is in flight while this one multiplies. Two in flight was slower (H100,
     // 2026-12-06: gate/up at one row 37.1 -> 42.1 us): the kernel is bound by its issue
@@ -748,6 +747,7 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
     }
     cur = next;
   }
+  allow_dependent_launch();
   mma_tile_store<T, NT>(a, acc, row0);
 }
 
@@ -770,12 +770,8 @@ cudaError_t launch_int4_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
   if (!group_of(a, kInt4MmaHalf, half_group)) return cudaErrorInvalidValue;
   const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
   const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kInt4MmaTrip) * kWarpSize);
-  if (a.m <= 8) {
-    int4_gemv_mma_kernel<T, 1><<<grid, block, 0, stream>>>(a, half_group);
-  } else {
-    int4_gemv_mma_kernel<T, 2><<<grid, block, 0, stream>>>(a, half_group);
-  }
-  return cudaGetLastError();
+  return a.m <= 8 ? launch_dependent(int4_gemv_mma_kernel<T, 1>, grid, block, 0, stream, a, half_group)
+                  : launch_dependent(int4_gemv_mma_kernel<T, 2>, grid, block, 0, stream, a, half_group);
 }
 #endif  // USE_ROCM
 
