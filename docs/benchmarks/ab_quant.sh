@@ -11,6 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/abq}
 STEPS=${STEPS:-gemv fp8_latency awq_latency}
+mkdir -p "$OUT"
 cp docs/benchmarks/cuda_quant.sh .base/docs/benchmarks/
 [ -d .whl ] && ln -sfn ../.whl .base/.whl
 (cd .base && OUT=$OUT/base DEADLINE=${BASE_S:-220} bash docs/benchmarks/cuda_quant.sh build ${BASE_STEPS:-$STEPS} \

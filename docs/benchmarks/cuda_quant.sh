@@ -74,6 +74,10 @@ run awq_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --i
 # Eight requests at once: the decode GEMVs at 8 rows (run only when named).
 opt awq_latency_b8 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --batch-size 8 --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/awq_latency_b8.json"
+# Where a batch-1 decode step's device time goes, kernel by kernel (run only when named).
+opt fp8_timeline 120 env TIMELINE_ENGINE='{"quantization": "fp8"}' python3 docs/benchmarks/decode_timeline.py \
+  $FP8 1 "$RES/fp8_timeline.json"
+opt awq_timeline 120 python3 docs/benchmarks/decode_timeline.py $AWQ 1 "$RES/awq_timeline.json"
 run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 1000 \
   --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1024_128.json"
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
@@ -98,6 +102,13 @@ for name in ("fp8_1024_128", "fp8_1000_1000", "fp8kv_1000_1000"):
     r = load(name)
     if r:
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, {r['elapsed_s']} s")
+for name in ("fp8_timeline", "awq_timeline"):
+    r = load(name)
+    if r:
+        r = r[0]
+        print(f"{name}: wall {r['wall_ms_per_step']} ms/step, busy {r['device_busy_ms_per_step']}")
+        for k in r["kernels_us_per_step"][:12]:
+            print(f"  {k['us']:8.1f} us x{k['count']:<5} {k['name'][:90]}")
 g = load("gemv")
 if g:
     for row in g["results"]:

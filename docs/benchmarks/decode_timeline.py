@@ -20,7 +20,10 @@ profiles the offline throughput workload instead (``core bench throughput``'s: P
 prompts of IN tokens, OUT tokens each at temperature 1, max_num_batched_tokens 8192,
 max_num_seqs 256 or a fifth field): only the engine steps from STEP0 to STEP1 (env
 ``TIMELINE_STEPS``, default ``150,250``: the steady mix of prefill chunks and decodes of the
-1,024/128 run) are recorded, with each step's composition (prompt tokens, decode rows)."""
+1,024/128 run) are recorded, with each step's composition (prompt tokens, decode rows).
+
+Env ``TIMELINE_ENGINE``: more engine arguments as a JSON object, e.g. ``{"quantization": "fp8"}``
+(a quantized checkpoint's own ``quantization_config`` needs nothing)."""
 import collections
 import json
 import os
@@ -39,6 +42,7 @@ engine_args = {}
 if THROUGHPUT:
     n_prompts, in_len, out_len, *rest = (int(x) for x in workload[4:].split(":"))
     engine_args = {"max_num_batched_tokens": 8192, "max_num_seqs": rest[0] if rest else 256}
+engine_args.update(json.loads(os.environ.get("TIMELINE_ENGINE", "{}")))  # e.g. {"quantization": "fp8"}
 llm = LLM(model=model, load_format="dummy", dtype="bfloat16", platform="cuda", max_model_len=2048,
           **engine_args)
 core = llm.engine.core
@@ -130,7 +134,7 @@ def measure(batch: int) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     # The window: the steady decode steps FIRST..LAST.
-    return {"batch": batch, **summarize(prof.events(), FIRST, LAST)}
+    return {"batch": batch, "engine": os.environ.get("TIMELINE_ENGINE", "{}"), **summarize(prof.events(), FIRST, LAST)}
 
 
 def measure_throughput() -> dict:

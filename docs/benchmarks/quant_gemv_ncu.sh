@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# ncu on the int4 decode GEMV, Llama-3-8B's gate/up (28,672 x 4,096, group 128, zero points),
-# ROWS activation rows (default 2): the op as the model calls it, the same op held to its
+# ncu on the int4 decode GEMV, Llama-3-8B's gate/up (28,672 x 4,096, group 128, zero points;
+# SHAPE=down: the down projection, 4,096 x 14,336), ROWS activation rows (default 2): the op as the model calls it, the same op held to its
 # CUDA-core kernel, and the fp8 CUDA-core kernel for comparison; speed of light, occupancy,
 # scheduler and every warp-stall reason. One row of this shape takes the CUDA cores since the
 # one-row rule (int4_mma_applies: k >= 8,192), hence two rows by default; the kernel names in
 # the report say which ran. From the repository root on the GPU machine (carry .whl):
-#   OUT=/tmp/ncu [ROWS=2] bash docs/benchmarks/quant_gemv_ncu.sh
+#   OUT=/tmp/ncu [ROWS=2] [SHAPE=gate_up|down] bash docs/benchmarks/quant_gemv_ncu.sh
 # The report lands in $OUT/ncu.txt; the lines that matter are printed.
 set -u
 OUT=${OUT:-/tmp/ncu}
@@ -27,7 +27,7 @@ from platforms.cuda.quant_bench import _int4
 
 ops, dev = load_ops(), torch.device("cuda")
 gen = torch.Generator().manual_seed(0)
-n, k = 28672, 4096
+n, k = {"gate_up": (28672, 4096), "down": (4096, 14336)}[os.environ.get("SHAPE", "gate_up")]
 w4 = _pack(_int4(n, k, gen), dev)
 w8 = _pack(quantize_fp8_rows(torch.randn(n, k, generator=gen) / k**0.5), dev)
 rows = int(os.environ.get("ROWS", "2"))
