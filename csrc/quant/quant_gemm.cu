@@ -294,9 +294,10 @@ __global__ void quant_dequant_kernel(const QuantDequantArgs a) {
   }
 }
 
-// Every GEMV launch is a launch_dependent (cuda_compat.h): each kernel requests its first codes
+// Every GEMV launch is a launch_dependent (cuda_compat.h): each kernel's CTAs are resident
 // while the kernel before it (the norm, SiLU-and-mul, the attention's reduce) finishes, and
-// waits for it only before reading x.
+// wait for it before reading x (the tensor-core kernels request their first codes before
+// that wait; this one waits first, see quant_gemv_kernel).
 template <typename T, QuantCode C, int M, bool kMins>
 cudaError_t launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
   const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
