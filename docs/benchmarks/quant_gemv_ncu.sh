@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # ncu on the int4 decode GEMV, Llama-3-8B's gate/up (28,672 x 4,096, group 128, zero points;
-# SHAPE=down: the down projection, 4,096 x 14,336), ROWS activation rows (default 2): the op as the model calls it, the same op held to its
-# CUDA-core kernel, and the fp8 CUDA-core kernel for comparison; speed of light, occupancy,
-# scheduler and every warp-stall reason. One row of this shape takes the CUDA cores since the
-# one-row rule (int4_mma_applies: k >= 8,192), hence two rows by default; the kernel names in
-# the report say which ran. From the repository root on the GPU machine (carry .whl):
+# SHAPE=down: the down projection, 4,096 x 14,336), ROWS activation rows (default 2): the op as
+# the model calls it, the same op held to its CUDA-core kernel, and the fp8 CUDA-core kernel
+# for comparison; speed of light, occupancy, scheduler and every warp-stall reason. One row of
+# gate/up takes the CUDA cores (int4_mma_applies: k >= 8,192 at one row), hence two rows by
+# default; one row of the down projection takes the tensor cores. The kernel names in the
+# report say which ran. From the repository root on the GPU machine (carry .whl):
 #   OUT=/tmp/ncu [ROWS=2] [SHAPE=gate_up|down] bash docs/benchmarks/quant_gemv_ncu.sh
 # The report lands in $OUT/ncu.txt; the lines that matter are printed.
 set -u

@@ -247,8 +247,8 @@ def test_gemv_waits_for_the_kernel_that_writes_x(kind, m, before):
     and reads x only after waiting for it: captured in one CUDA graph after the kernel that
     writes x (core_C's RMSNorm, which lets its dependents start early, or a torch kernel,
     which does not), each replay with new inputs must give that replay's product, never one
-    of a stale or half-written x. Covers the CUDA-core kernel (one row) and both tensor-core
-    kernels (four rows)."""
+    of a stale or half-written x. Covers the CUDA-core kernel (one row; free mins at four
+    rows), the fp8 tensor cores at 4 and 16 rows and the int4 ones at 4."""
     from platforms.cuda.ops import rms_norm
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{m}/{before}".encode()))
