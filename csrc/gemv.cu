@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
   constexpr int kStep = kWarpSize * V;  // elements one pass of the warp covers
+  grid_dependency_wait();  // launched with launch_dependent: x comes from the previous kernel
   for (int k0 = lane * V; k0 < a.k; k0 += kStep * kUnroll) {
     uint4 wv[kUnroll][kRows];
 #pragma unroll
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
     }
   }
 
+  allow_dependent_launch();  // every weight is read: the next kernel may be scheduled
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -97,8 +99,9 @@ template <typename T, int M, int kRows>
 cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
   const int warps = (a.n + kRows - 1) / kRows;
   const int blocks = (warps + kWarps - 1) / kWarps;
-  gemv_kernel<T, M, kRows><<<blocks, kWarps * kWarpSize, 0, stream>>>(a);
-  return cudaGetLastError();
+  // Under programmatic dependent launch (cuda_compat.h): the CTAs are resident while the
+  // kernel before (the norm, SiLU-and-mul, the attention's reduce) finishes.
+  return launch_dependent(gemv_kernel<T, M, kRows>, dim3(blocks), dim3(kWarps * kWarpSize), 0, stream, a);
 }
 
 template <typename T, int kRows>

@@ -7,8 +7,8 @@
 // (small, L1/L2 resident): the weights are read once whatever the number of rows. fp8 codes
 // with 16-bit activations take the tensor-core kernel below instead (fp8_gemv_mma_kernel) at
 // 2-16 rows, and at one row on small weights (fp8_mma_applies); int4 codes with 16-bit
-// activations and integer zero points likewise at 2-16 rows, and at one row on long rows
-// (int4_gemv_mma_kernel, int4_mma_applies).
+// activations and integer zero points likewise at 2-16 rows, and at one row on weights of
+// more than 2^24 codes (int4_gemv_mma_kernel, int4_mma_applies).
 //
 // quant_dequant: W in the activation dtype, for prefill steps, which then run one dense GEMM
 // (compute-bound there, so the extra pass over W is small next to it).
@@ -752,17 +752,19 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
   mma_tile_store<T, NT>(a, acc, row0);
 }
 
-// At one activation row the kernel is bound by its instruction issue (ncu on an H200,
-// 2026-12-06: no eligible warp in 48 % of cycles, DRAM at 28 % of peak) and reads Llama-3-8B's
-// QKV and gate/up no faster than the CUDA-core kernel, its output projection 1 us slower (8.8
-// vs 7.8 us, H100); it wins on long rows (the down projection, k = 14,336: 19.2 vs 20.8 us)
-// and at every M >= 2 (2-7x). So one row takes it only from kInt4MmaMinKAtOneRow inputs.
-constexpr int kInt4MmaMinKAtOneRow = 8192;
+// At one activation row the kernel is bound by latency and issue (ncu on an H200,
+// 2026-12-06: no eligible warp in 48 % of cycles, DRAM at 28 % of peak; on an H100 at the
+// down projection 14 warps per SM, no eligible warp in 54 %), yet it still reads the large
+// weights faster than the CUDA-core kernel, which turns every code into a float (H100,
+// 2026-12-06, us at one row, tensor / CUDA cores: gate/up 32.3-33.6 / 37.2, down 17.7 / 21.1,
+// QKV 9.8 / 10.2); only the output projection (4,096 x 4,096, 2^24 codes) is faster on the
+// CUDA cores (7.7 vs 8.2 us). So one row takes it above kInt4MmaMaxCodesOnCudaCores codes.
+constexpr int64_t kInt4MmaMaxCodesOnCudaCores = int64_t(1) << 24;
 
 bool int4_mma_applies(const QuantGemvArgs& a) {
   return a.tensor_cores && a.code == QuantCode::kInt4 && a.dtype != DType::kFloat32 &&
          a.k % kInt4MmaTrip == 0 && a.group % kInt4MmaHalf == 0 && (a.mins == nullptr || a.zeros != nullptr) &&
-         (a.m > 1 || a.k >= kInt4MmaMinKAtOneRow) && device_has_mma_f16();
+         (a.m > 1 || int64_t(a.n) * a.k > kInt4MmaMaxCodesOnCudaCores) && device_has_mma_f16();
 }
 
 template <typename T>

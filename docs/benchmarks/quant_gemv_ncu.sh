@@ -3,8 +3,8 @@
 # SHAPE=down: the down projection, 4,096 x 14,336), ROWS activation rows (default 2): the op as
 # the model calls it, the same op held to its CUDA-core kernel, and the fp8 CUDA-core kernel
 # for comparison; speed of light, occupancy, scheduler and every warp-stall reason. One row of
-# gate/up takes the CUDA cores (int4_mma_applies: k >= 8,192 at one row), hence two rows by
-# default; one row of the down projection takes the tensor cores. The kernel names in the
+# either shape takes the tensor cores (int4_mma_applies: more than 2^24 codes at one row);
+# ROWS=1 with tensor cores off shows the CUDA-core kernel. The kernel names in the
 # report say which ran. From the repository root on the GPU machine (carry .whl):
 #   OUT=/tmp/ncu [ROWS=2] [SHAPE=gate_up|down] bash docs/benchmarks/quant_gemv_ncu.sh
 # The report lands in $OUT/ncu.txt; the lines that matter are printed.

@@ -1,16 +1,22 @@
-"""``core_C.gemv`` (csrc/gemv.cu): a bandwidth-bound dense GEMM for 1-8 rows, as a candidate
-for the decode-step linear layers.
+"""``core_C.gemv`` (csrc/gemv.cu): a bandwidth-bound dense GEMM for 1-8 rows, and the CUDA
+platform's dense linear method, which sends decode steps of one or two rows through it.
 
-Measured on the H200 against cuBLAS (docs/benchmarks/cuda_gemv.md): faster in isolation only
-at 1-2 rows on the narrower projections, and no faster in the model's graphed decode step, so
-the model's linear layers keep cuBLAS (``torch.nn.functional.linear``) and this kernel is used
-by the benchmark (:mod:`platforms.cuda.small_gemm`) and its tests only.
+Measured on the H200 against cuBLAS (docs/benchmarks/cuda_gemv.md, 2026-12-01): faster in
+isolation at 1-2 rows on the layers of up to 8,192 inputs, slower on the 14,336-input down
+projection (cuBLAS's split-K) and from 4 rows; in the graphed decode step it was then no
+faster. Since 2026-12-06 the kernel runs under programmatic dependent launch (its CTAs are
+resident while the norm, SiLU-and-mul or attention reduce before it finishes; cuBLAS's kernels
+cannot be launched so), which is what :class:`CudaDenseLinear` uses it for
+(docs/benchmarks/cuda_e2e.md).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from core.models.layers import LinearMethod
 from platforms.cuda.build import load_ops
 
 GEMV_MAX_ROWS = 8
@@ -43,3 +49,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None) -> 
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     load_ops().gemv(out, x, weight, per_warp or rows_per_warp(weight.shape[0]))
     return out
+
+
+DENSE_GEMV_ROWS = 2
+"""Decode rows the dense method sends through the kernel (from 4 rows cuBLAS is faster)."""
+DENSE_GEMV_MAX_K = 8192
+"""Longest input the dense method sends through it (the 14,336-input down projection of
+Llama-3-8B is faster in cuBLAS's split-K)."""
+
+
+class CudaDenseLinear(LinearMethod):
+    """The dense format on CUDA: ``x @ W.T`` through :func:`gemv` for 1-2 rows of fp16 / bf16
+    activations over layers of up to :data:`DENSE_GEMV_MAX_K` inputs, else cuBLAS
+    (``F.linear``). fp32 keeps cuBLAS everywhere (its sums then match the reference's
+    order more closely than the kernel's lane order would)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        k = x.shape[-1]
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and k <= DENSE_GEMV_MAX_K \
+                and x.numel() <= DENSE_GEMV_ROWS * k:
+            x2 = x.reshape(-1, k)
+            if x2.shape[0] and gemv_fits(x2, layer.weight):
+                y = gemv(x2, layer.weight)
+                if bias is not None:
+                    y += bias
+                return y.view(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, layer.weight, bias)
+
+
+CUDA_DENSE = CudaDenseLinear()
+"""The CUDA platform's dense method (stateless, shared)."""

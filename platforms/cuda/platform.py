@@ -76,6 +76,14 @@ class CudaPlatform(GpuPlatform):
 
         return cuda_ops()
 
+    def linear_method(self, weight_format: str) -> Any:
+        """Dense weights multiply decode rows through csrc/gemv.cu (platforms/cuda/gemv.py)."""
+        from core.models.layers import DENSE
+        from platforms.cuda.gemv import CUDA_DENSE
+
+        method = super().linear_method(weight_format)
+        return CUDA_DENSE if method is DENSE else method
+
     @classmethod
     def quantization_methods(cls) -> dict[str, Any]:
         """Every built-in method kept quantized: FP8 through torch._scaled_mm, 4/8-bit codes

@@ -16,7 +16,7 @@ its weight from HBM (as in a decode step):
 * ``int4-gemv``: the GEMV over AWQ-style int4 codes, group 128 with zero points (M <= 16),
   on tensor cores (what AWQ / GPTQ run for decode steps); ``int4-gemv-cuda-cores``: the same
   op held to its CUDA-core kernel (what GGUF Q4_1 / Q4_K, whose mins are free, and Q4_0,
-  whose groups are 32, run; and AWQ at one row below 8,192 inputs);
+  whose groups are 32, run; and AWQ at one row on weights of up to 2^24 codes);
 * ``int4-dequant-gemm``: ``core_C.quant_dequant`` to bf16 then ``F.linear`` (int4 prefill).
 
 Reported: median microseconds per call (40 back-to-back calls replayed from a CUDA graph, so

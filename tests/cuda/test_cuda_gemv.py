@@ -1,4 +1,5 @@
-"""csrc/gemv.cu (the decode-sized dense GEMM, a benchmark candidate: docs/benchmarks/cuda_gemv.md)
+"""csrc/gemv.cu (the decode-sized dense GEMM: docs/benchmarks/cuda_gemv.md) and the CUDA platform's dense
+linear method over it (platforms/cuda/gemv.py)
 against a float64 product on fresh random inputs.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda_gemv.py``.
@@ -62,3 +63,58 @@ def test_gemv_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="multiple of 4"):
         ops.gemv(torch.empty(1, 32, device="cuda"), torch.randn(1, 62, device="cuda"),
                  torch.randn(32, 62, device="cuda"), 1)
+
+
+def _layer(n, k, dtype, gen):
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter((torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 4096), (2, 8192), (3, 4096), (1, 14336)])
+def test_the_dense_method_takes_the_kernel_for_one_or_two_rows(dtype, m, k):
+    """CudaDenseLinear: 1-2 rows of fp16 / bf16 over up to 8,192 inputs give exactly the
+    kernel's result; more rows, longer inputs and fp32 give exactly cuBLAS's; both agree with
+    the float64 product. Bias added after, leading dims kept."""
+    from platforms.cuda.gemv import CUDA_DENSE, gemv
+
+    g = torch.Generator(device="cuda").manual_seed(m * k + len(str(dtype)))
+    layer = _layer(1000, k, dtype, g)
+    x = torch.randn(m, 1, k, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(1000, device="cuda", generator=g).to(dtype)
+    got = CUDA_DENSE.apply(layer, x, bias)
+    assert got.shape == (m, 1, 1000)
+    kernel = dtype != torch.float32 and m <= 2 and k <= 8192
+    want = gemv(x.reshape(m, k), layer.weight) + bias if kernel else torch.nn.functional.linear(x, layer.weight, bias)
+    assert torch.equal(got.reshape(m, 1000), want.reshape(m, 1000))
+    _check(CUDA_DENSE.apply(layer, x, None).reshape(m, 1000), x.reshape(m, k), layer.weight)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_waits_for_the_kernel_that_writes_x(m):
+    """The kernel is launched to overlap the kernel before it and reads x only after waiting
+    for it: captured in a CUDA graph right after core_C's RMSNorm (which lets its dependents
+    start early), every replay with new inputs gives that replay's product."""
+    from platforms.cuda.gemv import gemv
+    from platforms.cuda.ops import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(7 + m)
+    n, k, dtype = 2048, 4096, torch.bfloat16
+    layer = _layer(n, k, dtype, g)
+    norm_w = (torch.rand(k, device="cuda", generator=g) + 0.5).to(dtype)
+    x_in = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemv(rms_norm(x_in, norm_w, 1e-6), layer.weight)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv(rms_norm(x_in, norm_w, 1e-6), layer.weight)
+    for _ in range(20):
+        x_in.copy_(torch.randn(m, k, device="cuda", generator=g).to(dtype))
+        graph.replay()
+        xf = x_in.float()
+        xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float()).to(dtype)
+        _check(y, xn, layer.weight)

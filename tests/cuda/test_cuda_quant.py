@@ -219,14 +219,15 @@ def test_int4_gemv_tensor_cores_and_cuda_cores_match_the_reference(dtype, n, k, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tensor_cores", [True, False])
-@pytest.mark.parametrize("k", [2048, 8192])
-def test_int4_gemv_is_exact_where_the_sums_are(dtype, tensor_cores, k):
+@pytest.mark.parametrize("n,k", [(256, 2048), (2304, 8192)])
+def test_int4_gemv_is_exact_where_the_sums_are(dtype, tensor_cores, n, k):
     """Small integer activations and power-of-two scales make every product and every fp32
     sum exact, so both kernels must return the float64 product rounded once, bit for bit: a
     code multiplied with any other input than its own (the tensor cores pair codes and
-    activations by permutation) would show. k = 8,192 takes the tensor cores at one row too."""
+    activations by permutation) would show. 2,304 x 8,192 (more than 2^24 codes) takes the
+    tensor cores at one row too."""
     gen = torch.Generator().manual_seed(11 + k)
-    n, group = 256, 128
+    group = 128
     scales = 2.0 ** -torch.randint(4, 9, (n, k // group), generator=gen).float()
     w, _ = zero_point_weight(n, k, group, gen, scales=scales)
     packed = _pack(w, DEV)
@@ -314,13 +315,14 @@ def test_int4_tensor_cores_cover_a_partial_last_tile(dtype, m):
 def test_int4_tensor_cores_take_the_zero_points_where_they_apply():
     """quant_gemv's zeros restate its mins. Given zeros that contradict the mins, the result
     shows which kernel ran: the tensor cores follow the zeros (fp16 / bf16, k % 256 == 0,
-    groups of 128 or more, 2+ rows or k >= 8192), the CUDA cores the mins (tensor_cores
-    False, fp32, k % 256 != 0, groups of 32, one row of k < 8192)."""
+    groups of 128 or more, 2+ rows or more than 2^24 codes), the CUDA cores the mins
+    (tensor_cores False, fp32, k % 256 != 0, groups of 32, one row of up to 2^24 codes)."""
     gen = torch.Generator().manual_seed(5)
     for m, n, k, group, dtype, tensor_cores, follows in [
         (2, 128, 1024, 128, torch.bfloat16, True, "zeros"),
         (2, 128, 1024, 128, torch.float16, True, "zeros"),
-        (1, 64, 8192, 128, torch.bfloat16, True, "zeros"),
+        (1, 4112, 4096, 128, torch.bfloat16, True, "zeros"),
+        (1, 4096, 4096, 128, torch.bfloat16, True, "mins"),
         (1, 128, 1024, 128, torch.bfloat16, True, "mins"),
         (2, 128, 1024, 128, torch.bfloat16, False, "mins"),
         (2, 128, 1024, 128, torch.float32, True, "mins"),

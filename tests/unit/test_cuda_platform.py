@@ -144,3 +144,21 @@ def test_gemma2_is_served_on_gpus_and_head_sizes_still_checked():
                 assert platform.validate(config(arch, cap)).model.architecture == arch
         with pytest.raises(ValueError, match=r"head size is 16.*--platform cpu"):
             platform.validate(config("Gemma2ForCausalLM", 50.0, head=16))
+
+
+def test_dense_weights_take_the_platforms_gemv_method_and_cpu_tensors_fall_back_to_torch():
+    """The CUDA platform keeps dense weights with CudaDenseLinear (decode rows through
+    csrc/gemv.cu, tested on the GPU in tests/cuda/test_cuda_gemv.py); quantized formats are
+    untouched; off the GPU its apply is exactly F.linear."""
+    from platforms.cuda.gemv import CudaDenseLinear
+
+    method = CudaPlatform().linear_method("dense")
+    assert isinstance(method, CudaDenseLinear) and method.name == "dense"
+    with pytest.raises(ValueError, match="int4"):
+        CudaPlatform().linear_method("int4")
+    layer = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    layer.weight = torch.nn.Parameter(torch.randn(24, 64, generator=gen).to(torch.bfloat16))
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(24, generator=gen).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x, bias), torch.nn.functional.linear(x, layer.weight, bias))
