@@ -325,6 +325,35 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// ---- weight prefetch before the dependency wait -------------------------------------------
+// A decode GEMV launched with launch_dependent is resident while the kernel before it (a norm,
+// SiLU-and-mul, the attention's reduce: a few microseconds in which HBM is otherwise idle)
+// still runs. Its weights do not depend on that kernel, so before grid_dependency_wait() lane
+// l of a warp asks L2 for the l-th 128-byte line of each weight row the warp owns, for the
+// first `lines` lines of the row (the bytes its first trips read). No register result,
+// nothing to wait for; a no-op on HIP.
+constexpr int kPrefetchLineBytes = 128;
+constexpr int64_t kWeightPrefetchBytes = int64_t(16) << 20;  // per launch, well inside L2
+
+__device__ __forceinline__ void prefetch_row_start(const void* row, int lines, int lane) {
+#if !defined(USE_ROCM) && defined(__CUDA_ARCH__)
+  if (lane < lines) {
+    const char* p = static_cast<const char*>(row) + lane * kPrefetchLineBytes;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+  }
+#endif
+}
+
+// Lines per row for a launch over `rows` weight rows of `row_bytes` each: the rows' starts up
+// to kWeightPrefetchBytes in all (more would evict what was fetched before it is read), at
+// most one line per lane of a warp.
+inline int prefetch_lines_per_row(int64_t rows, int64_t row_bytes) {
+  const int64_t by_budget = kWeightPrefetchBytes / (rows * kPrefetchLineBytes);
+  const int64_t whole_row = (row_bytes + kPrefetchLineBytes - 1) / kPrefetchLineBytes;
+  int64_t lines = by_budget < whole_row ? by_budget : whole_row;
+  return static_cast<int>(lines < kWarpSize ? lines : kWarpSize);
+}
+
 __device__ __forceinline__ void allow_dependent_launch() {
 #if CORE_HAS_PDL
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

@@ -27,7 +27,7 @@ __device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
 }
 
 template <typename T, int M, int kRows>
-__global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a) {
+__global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a, const int prefetch_lines) {
   using S = typename T::Storage;
   constexpr int V = T::kVec;
   const int lane = threadIdx.x % kWarpSize;
@@ -47,7 +47,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
   constexpr int kStep = kWarpSize * V;  // elements one pass of the warp covers
-  grid_dependency_wait();  // launched with launch_dependent: x comes from the previous kernel
+  // Launched with launch_dependent: x comes from the kernel before, which may still be
+  // running; the weights do not, so their rows' starts go to L2 first (cuda_compat.h).
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) prefetch_row_start(w + int64_t(rows[r]) * a.w_stride, prefetch_lines, lane);
+  grid_dependency_wait();
   for (int k0 = lane * V; k0 < a.k; k0 += kStep * kUnroll) {
     uint4 wv[kUnroll][kRows];
 #pragma unroll
@@ -101,7 +105,9 @@ cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
   const int blocks = (warps + kWarps - 1) / kWarps;
   // Under programmatic dependent launch (cuda_compat.h): the CTAs are resident while the
   // kernel before (the norm, SiLU-and-mul, the attention's reduce) finishes.
-  return launch_dependent(gemv_kernel<T, M, kRows>, dim3(blocks), dim3(kWarps * kWarpSize), 0, stream, a);
+  const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) * sizeof(typename T::Storage));
+  return launch_dependent(gemv_kernel<T, M, kRows>, dim3(blocks), dim3(kWarps * kWarpSize), 0, stream, a,
+                          lines);
 }
 
 template <typename T, int kRows>

@@ -203,8 +203,8 @@ __device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4&
 }
 
 template <typename T, QuantCode C, int M, bool kMins>
-__global__ void __launch_bounds__(kGemvWarps * kWarpSize)
-    quant_gemv_kernel(const QuantGemvArgs a, const GroupOf vec_group) {
+__device__ __forceinline__ void quant_gemv_body(const QuantGemvArgs& a, const GroupOf& vec_group,
+                                                int prefetch_lines) {
   using Code = Codes<C>;
   constexpr int P = Code::kPer;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -221,10 +221,12 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
   constexpr int U = GemvUnroll<C, M>::kValue;
   int v = lane;
-  // Launched with launch_dependent: the CTAs are resident and their addresses computed while
-  // the kernel that produces x finishes. (Prefetching the first trip's codes into L2 before
-  // this wait cost 6-8 registers in every instance, fp8 at one row 32 -> 40: fewer CTAs per
-  // SM; the tensor-core kernels below load their first trip before the wait for free.)
+  // Launched with launch_dependent: the CTAs are resident while the kernel that produces x
+  // finishes. The codes do not depend on it: at one row their starts go to L2 first
+  // (cuda_compat.h); quant_gemv_1row_kernel's launch bounds keep that at 32 registers (8 CTAs
+  // per SM), where the prefetch's address would otherwise take 38-40 (no spills; ptxas -v).
+  // (From 2 rows the instances' registers grew with it, up to 100 -> 144: no prefetch there.)
+  if constexpr (M == 1) prefetch_row_start(codes, prefetch_lines, lane);
   grid_dependency_wait();
   for (; v + (U - 1) * kWarpSize < vecs; v += U * kWarpSize) {
     uint4 cv[U];
@@ -247,6 +249,20 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
       if (m < a.m) out[int64_t(m) * a.n + row] = T::from_float(acc[m]);
     }
   }
+}
+
+template <typename T, QuantCode C, int M, bool kMins>
+__global__ void __launch_bounds__(kGemvWarps * kWarpSize)
+    quant_gemv_kernel(const QuantGemvArgs a, const GroupOf vec_group) {
+  quant_gemv_body<T, C, M, kMins>(a, vec_group, 0);
+}
+
+// One row of 16-bit activations: at most 32 registers, 8 CTAs (64 warps) per SM; with mins
+// (int4 with an offset per group) 40 registers, 6 CTAs, as before the prefetch (32 spills).
+template <typename T, QuantCode C, bool kMins>
+__global__ void __launch_bounds__(kGemvWarps * kWarpSize, kMins ? 6 : 8)
+    quant_gemv_1row_kernel(const QuantGemvArgs a, const GroupOf vec_group, const int prefetch_lines) {
+  quant_gemv_body<T, C, 1, kMins>(a, vec_group, prefetch_lines);
 }
 
 template <typename T>
@@ -301,7 +317,12 @@ __global__ void quant_dequant_kernel(const QuantDequantArgs a) {
 template <typename T, QuantCode C, int M, bool kMins>
 cudaError_t launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
   const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
-  return launch_dependent(quant_gemv_kernel<T, C, M, kMins>, grid, block, 0, stream, a, groups);
+  if constexpr (M == 1 && sizeof(typename T::Storage) == 2) {
+    const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) / Codes<C>::kRowBytesDiv);
+    return launch_dependent(quant_gemv_1row_kernel<T, C, kMins>, grid, block, 0, stream, a, groups, lines);
+  } else {
+    return launch_dependent(quant_gemv_kernel<T, C, M, kMins>, grid, block, 0, stream, a, groups);
+  }
 }
 
 // At 1-2 rows, with and without mins (int4 only) are two instances: a runtime branch between

@@ -40,9 +40,9 @@ for _ in range(3):  # ncu skips the first three matching launches
     ops.quant_gemv(y, x, w8.codes, w8.scales, None, w8.code, w8.group, False)
 torch.cuda.synchronize()
 PY
-timeout 300 ncu --kernel-name regex:"int4_gemv_mma|quant_gemv_kernel" --launch-skip 3 --launch-count 3 \
+timeout 300 ncu --kernel-name regex:"int4_gemv_mma|quant_gemv_(1row_)?kernel" --launch-skip 3 --launch-count 3 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
   --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
   python3 "$OUT/drive.py" >"$OUT/ncu.txt" 2>&1
-grep -E "quant_gemv_kernel|int4_gemv_mma|DRAM Throughput|Duration|Achieved Active Warps|No Eligible|Eligible Warps|Grid Size|Registers Per|stalled_(long_scoreboard|wait|math_pipe_throttle|not_selected|short_scoreboard|dispatch_stall)" \
+grep -E "quant_gemv_(1row_)?kernel|int4_gemv_mma|DRAM Throughput|Duration|Achieved Active Warps|No Eligible|Eligible Warps|Grid Size|Registers Per|stalled_(long_scoreboard|wait|math_pipe_throttle|not_selected|short_scoreboard|dispatch_stall)" \
   "$OUT/ncu.txt" | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//'
