@@ -29,9 +29,16 @@ import torch
 
 from core.quantization.base import QuantizationMethod, Weights
 from core.quantization.grouping import group_parts
-from core.quantization.int4 import dummy_int4, unpack_int32
+from core.quantization.int4 import _act_order, dummy_int4, unpack_int32
 from core.quantization.kv_cache import KV_SCALE_SUFFIXES
 from core.quantization.tensors import FP8_MAX, Fp8Weight, IntWeight, quantize_fp8_rows
+
+ACTORDER_NONE = (None, False, "weight", "static")
+"""compressed-tensors ``actorder`` values whose checkpoints are stored like none: "weight"
+(alias "static") changes only how the quantizer walks the columns, the groups stay contiguous."""
+ACTORDER_GROUP = ("group", "dynamic", True)
+"""``actorder`` values whose checkpoints carry ``weight_g_idx`` (input -> group): written by
+compressed-tensors before 0.20 (which removed them), read here, restated in group order."""
 
 _FP8 = (torch.float8_e4m3fn,)
 
@@ -152,7 +159,11 @@ class CompressedTensorsMethod(QuantizationMethod):
       Restated as an 8-bit :class:`IntWeight` holding ``q - z`` (-15..15), which dequantizes
       to exactly those floats; the 4-bit form (codes ``q + 8``, ``min = -(z + 8) * scale``)
       would round twice. So the CUDA platform keeps these weights as int8 codes (half of
-      bf16's bytes, not a quarter) until its int4 path takes signed codes.
+      bf16's bytes, not a quarter) until its int4 path takes signed codes. Activation order
+      ``actorder: "group"`` (GPTQ's desc_act; older compressed-tensors) adds
+      ``weight_g_idx`` int32 ``[K]``, input ``c`` in group ``g_idx[c]``: the codes are restated
+      in group order with the permutation (:attr:`IntWeight.perm`), as for GPTQ; ``"weight"``
+      is stored like none.
     """
 
     name = "compressed-tensors"
@@ -208,12 +219,18 @@ class CompressedTensorsMethod(QuantizationMethod):
                 f"compressed-tensors group {name!r} is pack-quantized with {w.get('num_bits')}-bit "
                 f"{w.get('type')} weights; supported: 4-bit int (W4A16)"
             )
-        if w.get("actorder") not in (None, False):
+        if w.get("actorder") not in ACTORDER_NONE + ACTORDER_GROUP:
             raise ValueError(
                 f"compressed-tensors group {name!r}: activation ordering (actorder "
-                f"{w.get('actorder')!r}) is not supported; supported: none"
+                f"{w.get('actorder')!r}) is not supported; supported: "
+                f"{list(ACTORDER_NONE[1:] + ACTORDER_GROUP)} or none"
             )
         strategy, size = w.get("strategy"), w.get("group_size")
+        if w.get("actorder") in ACTORDER_GROUP and strategy != "group":
+            raise ValueError(
+                f"compressed-tensors group {name!r}: actorder {w.get('actorder')!r} needs the group "
+                f"weight strategy, not {strategy!r}"
+            )
         if strategy not in CompressedTensorsMethod.INT_STRATEGIES:
             raise ValueError(
                 f"compressed-tensors group {name!r} has int weight strategy {strategy!r}; supported: "
@@ -238,6 +255,10 @@ class CompressedTensorsMethod(QuantizationMethod):
         return next(iter(self.config["config_groups"].values()))["weights"]
 
     @property
+    def _group_actorder(self) -> bool:
+        return self._int_args.get("actorder") in ACTORDER_GROUP
+
+    @property
     def _asymmetric(self) -> bool:
         return self._int_args.get("symmetric") is False
 
@@ -255,7 +276,8 @@ class CompressedTensorsMethod(QuantizationMethod):
         strategies = sorted({g["weights"]["strategy"] for g in self.config["config_groups"].values()})
         if self._int:
             kind = "asymmetric" if self._asymmetric else "symmetric"
-            return f"compressed-tensors (pack-quantized int4, {kind}, per {'/'.join(strategies)} weight scales)"
+            act = ", group act-order" if self._group_actorder else ""
+            return f"compressed-tensors (pack-quantized int4, {kind}{act}, per {'/'.join(strategies)} weight scales)"
         return f"compressed-tensors (float-quantized fp8, per {'/'.join(strategies)} weight scales)"
 
     def checkpoint_weights(self, weights: Weights) -> Weights:
@@ -286,6 +308,11 @@ class CompressedTensorsMethod(QuantizationMethod):
                     f"{tuple(packed.shape)} and {tuple(scale.shape)}"
                 )
             codes = unpack_int32(packed, 1)[:, :cols].to(torch.int16)
+            # Group act-order: input c belongs to group weight_g_idx[c]; the codes are put in
+            # group order (each group contiguous) and the layer permutes x the same way.
+            perm = _act_order(module, p.get("weight_g_idx"), cols, group)
+            if perm is not None:
+                codes = codes[:, perm]
             if asymmetric:
                 zero = p["weight_zero_point"]
                 if tuple(zero.shape) != (-(-rows // 8), cols // group):
@@ -297,14 +324,19 @@ class CompressedTensorsMethod(QuantizationMethod):
                 codes = codes - z.repeat_interleave(group, 1)
             else:
                 codes = codes - 8
-            return IntWeight(8, codes.to(torch.int8).contiguous(), scale.float().contiguous(), None, group)
+            return IntWeight(8, codes.to(torch.int8).contiguous(), scale.float().contiguous(), None, group, perm)
 
         asymmetric = self._asymmetric
         required = ("weight_packed", "weight_scale", "weight_shape") + (("weight_zero_point",) if asymmetric else ())
+        if self._group_actorder:
+            required += ("weight_g_idx",)
         unused = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", *KV_SCALE_SUFFIXES)
         if not asymmetric:
             unused += (".weight_zero_point",)  # zeros by definition, where a writer keeps them
-        return group_parts(_drop(weights, unused), required, build, fmt="compressed-tensors")
+        # (a weight_g_idx under "weight" act-order or none is read too: it must be the identity
+        # or a valid grouping, which _act_order checks)
+        return group_parts(_drop(weights, unused), required, build, optional=("weight_g_idx",),
+                           fmt="compressed-tensors")
 
     def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
         if self._int:  # signed 4-bit codes as checkpoint_weights restates them

@@ -93,8 +93,9 @@ class IntWeight:
     ``scales`` and optional float32 ``mins`` ``[rows, cols / group]``:
     ``w[r, c] = codes[r, c] * scales[r, c // group] (+ mins[r, c // group])``.
 
-    ``perm`` (GPTQ act-order): column ``j`` of the codes is input feature ``perm[j]``, so the
-    layer computes ``x[:, perm] @ dequantized.T``; None means the identity.
+    ``perm`` (act-order: GPTQ's, compressed-tensors' "group"): column ``j`` of the codes is
+    input feature ``perm[j]``, so the layer computes ``x[:, perm] @ dequantized.T``; None
+    means the identity.
     """
 
     bits: int
@@ -129,7 +130,8 @@ class IntWeight:
                            scales=self.scales.narrow(0, start, length), mins=mins)
         if self.perm is not None:
             raise ValueError(
-                "a GPTQ act-order (desc_act) weight cannot be split along its input features; "
+                "an act-order weight (GPTQ desc_act, compressed-tensors actorder 'group') cannot be "
+                "split along its input features; "
                 "run this checkpoint with --tensor-parallel-size 1"
             )
         first, count = _narrow_groups(f"{self.bits}-bit weight", start, length, self.group,

@@ -3,10 +3,11 @@ layout (see the readers: :mod:`core.quantization.int4`, :mod:`core.quantization.
 
 They quantize by round-to-nearest (not the AWQ or GPTQ search: what a checkpoint's numbers
 are does not change how it is stored), so tests can write tiny checkpoints in every format
-and know the exact dequantized weights (:func:`dequantized_state`). compressed-tensors
-checkpoints are written by the ``compressed-tensors`` library itself in the tests.
+and know the exact dequantized weights (:func:`quantize_state`). compressed-tensors
+checkpoints are written by the ``compressed-tensors`` library itself in the tests, except
+group act-order, which the installed library no longer writes (ct-w4a16-group-actorder).
 
-    python -m core.quantization.writers SRC DST --format awq|gptq|gptq-act-order|fp8-block
+    python -m core.quantization.writers SRC DST --format awq|gptq|gptq-act-order|fp8-block|ct-w4a16-group-actorder
 """
 
 from __future__ import annotations
@@ -89,6 +90,30 @@ def gptq_tensors(w: torch.Tensor, group: int, perm: torch.Tensor | None = None) 
     return parts, ref.t().contiguous()
 
 
+def ct_w4a16_tensors(w: torch.Tensor, group: int, perm: torch.Tensor | None = None) -> Quantized:
+    """A dense [N, K] weight as compressed-tensors ``pack-quantized`` symmetric int4 tensors
+    (weight_packed, weight_scale, weight_shape); with ``perm`` (``actorder: "group"``) inputs
+    ``perm[j * group : (j + 1) * group]`` form group ``j``, named by ``weight_g_idx``. Codes
+    are ``round(w / scale)`` in -8..7 with ``scale = max |w| / 7`` per group, stored plus 8."""
+    n, k = w.shape
+    order = perm if perm is not None else torch.arange(k)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // group).to(torch.int32)
+    grouped = w.float()[:, order].reshape(n, k // group, group)  # [N, K / G, G] in group order
+    scale = (grouped.abs().amax(-1) / 7).clamp(min=1e-6).half()
+    q = torch.round(grouped / scale.float()[..., None]).clamp(-8, 7)
+    ref_sorted = (q * scale.float()[..., None]).reshape(n, k)
+    ref = torch.empty_like(ref_sorted)
+    ref[:, order] = ref_sorted
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    codes[:, order] = (q + 8).to(torch.uint8).reshape(n, k)
+    parts = {"weight_packed": pack_int32(codes, 1), "weight_scale": scale.contiguous(),
+             "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if perm is not None:
+        parts["weight_g_idx"] = g_idx
+    return parts, ref.contiguous()
+
+
 def fp8_block_tensors(w: torch.Tensor, block: int = 128) -> Quantized:
     """A dense [N, K] weight as ``fp8`` method tensors (weight, weight_scale_inv)."""
     n, k = w.shape
@@ -111,6 +136,14 @@ FORMATS = {
                        "checkpoint_format": "gptq"},
     "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                   "weight_block_size": [128, 128]},
+    # compressed-tensors W4A16 with group act-order: what compressed-tensors < 0.20 wrote (the
+    # installed library no longer writes it), by the format's layout (core.quantization.fp8)
+    "ct-w4a16-group-actorder": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+            "actorder": "group", "dynamic": False}}}},
 }
 
 
@@ -126,7 +159,7 @@ def quantize_state(state: dict[str, torch.Tensor], fmt: str, seed: int = 0
 
     Act-order GPTQ draws one random input order per distinct input (projections that share
     an input share it, as GPTQ's Hessian ordering does)."""
-    group = FORMATS[fmt].get("group_size", 128)
+    group = FORMATS[fmt].get("group_size", 128)  # (128 for every int4 format here)
     gen = torch.Generator().manual_seed(seed)
     perms: dict[str, torch.Tensor] = {}
     out, reference = {}, {}
@@ -137,13 +170,13 @@ def quantize_state(state: dict[str, torch.Tensor], fmt: str, seed: int = 0
         module = name.removesuffix(".weight")
         if fmt == "awq":
             parts, ref = awq_tensors(w, group)
-        elif fmt.startswith("gptq"):
+        elif fmt.startswith("gptq") or fmt.startswith("ct-"):
             perm = None
-            if fmt == "gptq-act-order":
+            if fmt.endswith("act-order") or fmt.endswith("actorder"):
                 shared = module.rsplit(".", 1)[0] + ("/in" if module.endswith(("q_proj", "k_proj", "v_proj",
                                                                               "gate_proj", "up_proj")) else module)
                 perm = perms.setdefault(shared, torch.randperm(w.shape[1], generator=gen))
-            parts, ref = gptq_tensors(w, group, perm)
+            parts, ref = (gptq_tensors if fmt.startswith("gptq") else ct_w4a16_tensors)(w, group, perm)
         else:
             parts, ref = fp8_block_tensors(w, FORMATS[fmt]["weight_block_size"][0])
         out.update({f"{module}.{k}": v for k, v in parts.items()})

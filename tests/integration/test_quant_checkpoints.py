@@ -1,7 +1,9 @@
 """Quantized checkpoints of a tiny random Llama, end to end on the CPU platform.
 
-Each format is written from one seeded fp32 model: AWQ, GPTQ (with and without act-order)
-and the ``fp8`` method's 128x128 blocks by core.quantization.writers (which follows each
+Each format is written from one seeded fp32 model: AWQ, GPTQ (with and without act-order),
+the ``fp8`` method's 128x128 blocks and compressed-tensors W4A16 with group act-order
+(``weight_g_idx``, which the installed compressed-tensors no longer writes) by
+core.quantization.writers (which follows each
 format's layout and also writes the dense model the quantized one stands for, computed from
 the writer's own integer codes), compressed-tensors ``float-quantized`` (per tensor, channel
 and block) and ``pack-quantized`` (W4A16: int4, groups of 128) by the ``compressed-tensors``
@@ -39,7 +41,7 @@ from tests.integration.test_engine_hf import hf_greedy, random_prompts
 # head_dim 64 and 2 KV heads (k/v projections of 128 rows, a partial fp8 block row beside
 # q's 256), 256 and 512 inputs: two or four 128-input groups per row.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block")
+WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block", "ct-w4a16-group-actorder")
 CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
               "ct-w4a16-channel": "W4A16/channel", "ct-w4a16-asym": "W4A16_ASYM"}  # preset[/weight strategy]
 MAX_NEW = 10

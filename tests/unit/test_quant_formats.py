@@ -192,7 +192,8 @@ W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "
 
 
 @pytest.mark.parametrize("weights,match", [
-    ({**W4A16, "actorder": "group"}, "activation ordering"),
+    ({**W4A16, "actorder": "columns"}, "activation ordering"),
+    ({**W4A16, "strategy": "channel", "actorder": "group"}, "needs the group weight strategy"),
     ({**W4A16, "num_bits": 8}, "supported: 4-bit int"),
     ({**W4A16, "group_size": 48}, "group_size 48"),
     ({**W4A16, "strategy": "tensor"}, "int weight strategy 'tensor'"),
@@ -218,6 +219,43 @@ def test_compressed_tensors_w4a16_is_read_and_formats_may_not_mix():
         resolve_quantization(None, _Config(two), None, _Everything)
     with pytest.raises(ValueError, match="'naive-quantized'"):
         resolve_quantization(None, _Config(_ct(W4A16, fmt="naive-quantized")), None, _Everything)
+
+
+@pytest.mark.parametrize("actorder", ["group", "weight", None])
+def test_compressed_tensors_w4a16_act_order_reads_exactly(actorder):
+    """W4A16 by the format's layout (core.quantization.writers): with group act-order (inputs
+    in random groups named by weight_g_idx) the weight is restated in group order with the
+    permutation and dequantizes exactly to the writer's floats; "weight" act-order is stored
+    like none; a group act-order layer without weight_g_idx is refused, naming it."""
+    from core.quantization.writers import ct_w4a16_tensors
+
+    gen = torch.Generator().manual_seed(17)
+    w = torch.randn(24, 384, generator=gen)
+    perm = torch.randperm(384, generator=gen) if actorder == "group" else None
+    parts, ref = ct_w4a16_tensors(w, 128, perm)
+    assert ("weight_g_idx" in parts) == (actorder == "group")
+    method = resolve_quantization(None, _Config(_ct({**W4A16, "actorder": actorder})), None, _Everything)
+    assert ("group act-order" in method.describe()) == (actorder == "group")
+    (name, weight), = list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in parts.items())))
+    assert name == "l.weight" and isinstance(weight, IntWeight)
+    assert torch.equal(weight.dequantize(), ref)
+    assert (weight.perm is not None) == (actorder == "group")
+    assert rel_close(weight.dequantize(), w)
+    if actorder == "group":
+        x = torch.randn(3, 384, generator=gen)  # the layer's product: x permuted like the codes
+        dense = weight.codes.float() * weight.scales.repeat_interleave(128, 1)
+        torch.testing.assert_close(x[:, weight.perm] @ dense.t(), x @ ref.t(), rtol=1e-5, atol=1e-5)
+        no_idx = [(f"l.{k}", v) for k, v in parts.items() if k != "weight_g_idx"]
+        with pytest.raises(ValueError, match="weight_g_idx"):
+            list(method.checkpoint_weights(iter(no_idx)))
+        bad = dict(parts, weight_g_idx=torch.zeros(384, dtype=torch.int32))  # one group of 384
+        with pytest.raises(ValueError, match="does not put exactly 128 inputs"):
+            list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in bad.items())))
+
+
+def rel_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """int4 round-to-nearest keeps a Gaussian weight within ~15 % (relative L2)."""
+    return float((a - b).norm() / b.norm()) < 0.15
 
 
 def test_platform_without_the_method_is_refused_naming_those_that_run_it():
