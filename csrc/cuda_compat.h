@@ -348,6 +348,7 @@ __device__ __forceinline__ void prefetch_row_start(const void* row, int lines, i
 // to kWeightPrefetchBytes in all (more would evict what was fetched before it is read), at
 // most one line per lane of a warp.
 inline int prefetch_lines_per_row(int64_t rows, int64_t row_bytes) {
+  if (rows <= 0 || row_bytes <= 0) return 0;
   const int64_t by_budget = kWeightPrefetchBytes / (rows * kPrefetchLineBytes);
   const int64_t whole_row = (row_bytes + kPrefetchLineBytes - 1) / kPrefetchLineBytes;
   int64_t lines = by_budget < whole_row ? by_budget : whole_row;

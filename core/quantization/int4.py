@@ -169,8 +169,10 @@ def _act_order(module: str, g_idx: torch.Tensor | None, k: int, group: int) -> t
         raise ValueError(f"{module}.g_idx has shape {tuple(g.shape)}; expected [{k}]")
     if torch.equal(g, torch.arange(k) // group):
         return None
+    if g.min() < 0:  # (e.g. -1: compressed-tensors' value before calibration)
+        raise ValueError(f"{module}.g_idx holds {int(g.min())}; group indices must be >= 0")
     counts = torch.bincount(g, minlength=k // group)
-    if g.min() < 0 or counts.numel() != k // group or not bool((counts == group).all()):
+    if counts.numel() != k // group or not bool((counts == group).all()):
         raise ValueError(f"{module}.g_idx does not put exactly {group} inputs in each of {k // group} groups")
     return torch.sort(g, stable=True).indices
 

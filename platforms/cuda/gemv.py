@@ -58,24 +58,37 @@ DENSE_GEMV_MAX_K = 8192
 Llama-3-8B is faster in cuBLAS's split-K)."""
 
 
+def dense_takes_gemv(rows: int, k: int, dtype: torch.dtype, has_bias: bool, major: int) -> bool:
+    """Whether :class:`CudaDenseLinear` sends ``rows`` x ``k`` activations through the kernel:
+    1-2 rows of fp16 / bf16, at most :data:`DENSE_GEMV_MAX_K` inputs, no bias (the kernel
+    rounds its product once; adding a bias after would round twice where cuBLAS's epilogue
+    rounds once) and a Hopper or newer GPU (compute capability ``major`` >= 9: the gain is the
+    programmatic dependent launch, which older GPUs lack; without it the kernel was no faster
+    than cuBLAS in the graphed step)."""
+    return (1 <= rows <= DENSE_GEMV_ROWS and k <= DENSE_GEMV_MAX_K and not has_bias and major >= 9
+            and dtype in (torch.float16, torch.bfloat16))
+
+
 class CudaDenseLinear(LinearMethod):
-    """The dense format on CUDA: ``x @ W.T`` through :func:`gemv` for 1-2 rows of fp16 / bf16
-    activations over layers of up to :data:`DENSE_GEMV_MAX_K` inputs, else cuBLAS
-    (``F.linear``). fp32 keeps cuBLAS everywhere (its sums then match the reference's
-    order more closely than the kernel's lane order would)."""
+    """The dense format on CUDA: ``x @ W.T`` through :func:`gemv` where
+    :func:`dense_takes_gemv` says so, else cuBLAS (``F.linear``). fp32 keeps cuBLAS everywhere
+    (its sums then match the reference's order more closely than the kernel's lane order)."""
+
+    def __init__(self):
+        self._major: dict[int, int] = {}  # device index -> compute capability major
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and k <= DENSE_GEMV_MAX_K \
-                and x.numel() <= DENSE_GEMV_ROWS * k:
+        if x.is_cuda and x.numel() <= DENSE_GEMV_ROWS * k:
+            major = self._major.get(x.device.index)
+            if major is None:
+                major = self._major[x.device.index] = torch.cuda.get_device_capability(x.device)[0]
             x2 = x.reshape(-1, k)
-            if x2.shape[0] and gemv_fits(x2, layer.weight):
+            if dense_takes_gemv(x2.shape[0], k, x.dtype, bias is not None, major) and gemv_fits(x2, layer.weight):
                 y = gemv(x2, layer.weight)
-                if bias is not None:
-                    y += bias
                 return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
 
 
 CUDA_DENSE = CudaDenseLinear()
-"""The CUDA platform's dense method (stateless, shared)."""
+"""The CUDA platform's dense method (shared; it caches each device's compute capability)."""

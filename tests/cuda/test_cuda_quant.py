@@ -187,7 +187,9 @@ def zero_point_weight(rows, cols, group, gen, zmax=15, scales=None) -> tuple[Int
 # warps), one group per row (1,024), groups of 256 and of 384 (three half-trips: an inexact
 # reciprocal in the group lookup); k % 256 != 0 (1,152) keeps the CUDA cores.
 INT4_GEMV_SHAPES = [(384, 1024, 128), (208, 4096, 128), (2048, 4096, 128), (64, 14336, 128), (256, 1024, 1024),
-                    (96, 2048, 256), (64, 4608, 128), (96, 3072, 384), (96, 1152, 128)]
+                    (96, 2048, 256), (64, 4608, 128), (96, 3072, 384), (96, 1152, 128),
+                    (2176, 8192, 256)]  # > 2^24 codes: tensor cores at one row too (added in session 17,
+                                        # after the last GPU run of this file)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -149,8 +149,17 @@ def test_gemma2_is_served_on_gpus_and_head_sizes_still_checked():
 def test_dense_weights_take_the_platforms_gemv_method_and_cpu_tensors_fall_back_to_torch():
     """The CUDA platform keeps dense weights with CudaDenseLinear (decode rows through
     csrc/gemv.cu, tested on the GPU in tests/cuda/test_cuda_gemv.py); quantized formats are
-    untouched; off the GPU its apply is exactly F.linear."""
-    from platforms.cuda.gemv import CudaDenseLinear
+    untouched; off the GPU its apply is exactly F.linear. Its routing rule, case by case."""
+    from platforms.cuda.gemv import CudaDenseLinear, dense_takes_gemv
+
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert dense_takes_gemv(1, 4096, bf16, False, 9) and dense_takes_gemv(2, 8192, f16, False, 10)
+    assert not dense_takes_gemv(3, 4096, bf16, False, 9)      # from 3 rows: cuBLAS
+    assert not dense_takes_gemv(0, 4096, bf16, False, 9)      # no rows
+    assert not dense_takes_gemv(1, 14336, bf16, False, 9)     # down projection: split-K cuBLAS
+    assert not dense_takes_gemv(1, 4096, f32, False, 9)       # fp32: cuBLAS
+    assert not dense_takes_gemv(1, 4096, bf16, True, 9)       # a bias: cuBLAS rounds once
+    assert not dense_takes_gemv(1, 4096, bf16, False, 8)      # no programmatic dependent launch
 
     method = CudaPlatform().linear_method("dense")
     assert isinstance(method, CudaDenseLinear) and method.name == "dense"

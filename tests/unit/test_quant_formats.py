@@ -251,6 +251,30 @@ def test_compressed_tensors_w4a16_act_order_reads_exactly(actorder):
         bad = dict(parts, weight_g_idx=torch.zeros(384, dtype=torch.int32))  # one group of 384
         with pytest.raises(ValueError, match="does not put exactly 128 inputs"):
             list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in bad.items())))
+        unset = dict(parts, weight_g_idx=torch.full((384,), -1, dtype=torch.int32))  # never calibrated
+        with pytest.raises(ValueError, match="holds -1; group indices must be >= 0"):
+            list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in unset.items())))
+
+
+def test_compressed_tensors_group_act_order_by_the_formats_definition():
+    """A layer written out by hand from the format's definition, independently of our writer:
+    inputs alternate between two groups (g_idx = c % 2), signed codes q stored as q + 8 in
+    nibble i of word c // 8 for input 8 (c // 8) + i; w[r, c] = q[r, c] * scale[r, g_idx[c]]."""
+    rows, cols = 3, 256
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randint(-8, 8, (rows, cols), generator=gen)
+    scale = torch.rand(rows, 2, generator=gen).half() + 0.5
+    g_idx = (torch.arange(cols) % 2).to(torch.int32)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for c in range(cols):
+        words[:, c // 8] |= (q[:, c] + 8) << (4 * (c % 8))
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    want = torch.tensor([[float(q[r, c]) * float(scale[r, g_idx[c]]) for c in range(cols)] for r in range(rows)])
+    method = resolve_quantization(None, _Config(_ct({**W4A16, "actorder": "group"})), None, _Everything)
+    parts = {"weight_packed": words, "weight_scale": scale, "weight_shape": torch.tensor([rows, cols]),
+             "weight_g_idx": g_idx}
+    (_, weight), = list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in parts.items())))
+    assert torch.equal(weight.dequantize(), want)
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor) -> bool:
