@@ -29,7 +29,7 @@ import torch
 
 from core.quantization.base import QuantizationMethod, Weights
 from core.quantization.grouping import group_parts
-from core.quantization.int4 import _act_order, dummy_int4, unpack_int32
+from core.quantization.int4 import act_order_perm, dummy_int4, unpack_int32
 from core.quantization.kv_cache import KV_SCALE_SUFFIXES
 from core.quantization.tensors import FP8_MAX, Fp8Weight, IntWeight, quantize_fp8_rows
 
@@ -310,7 +310,7 @@ class CompressedTensorsMethod(QuantizationMethod):
             codes = unpack_int32(packed, 1)[:, :cols].to(torch.int16)
             # Group act-order: input c belongs to group weight_g_idx[c]; the codes are put in
             # group order (each group contiguous) and the layer permutes x the same way.
-            perm = _act_order(module, p.get("weight_g_idx"), cols, group)
+            perm = act_order_perm(module, p.get("weight_g_idx"), cols, group)
             if perm is not None:
                 codes = codes[:, perm]
             if asymmetric:
@@ -334,7 +334,7 @@ class CompressedTensorsMethod(QuantizationMethod):
         if not asymmetric:
             unused += (".weight_zero_point",)  # zeros by definition, where a writer keeps them
         # (a weight_g_idx under "weight" act-order or none is read too: it must be the identity
-        # or a valid grouping, which _act_order checks)
+        # or a valid grouping, which act_order_perm checks)
         return group_parts(_drop(weights, unused), required, build, optional=("weight_g_idx",),
                            fmt="compressed-tensors")
 

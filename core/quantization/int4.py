@@ -140,7 +140,7 @@ class GptqMethod(QuantizationMethod):
             q = unpack_int32(p["qweight"], 0)  # [K, N]
             z = unpack_int32(p["qzeros"], 1).to(torch.int16) + (1 if v1 else 0)  # [K / G, N]
             _check_shapes(module, q, z, p["scales"], self.group)
-            perm = _act_order(module, p.get("g_idx"), q.shape[0], self.group)
+            perm = act_order_perm(module, p.get("g_idx"), q.shape[0], self.group)
             if perm is not None:
                 q = q[perm]
             return _int_weight(q, z, p["scales"], self.group, perm)
@@ -160,7 +160,7 @@ def _check_shapes(module: str, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor
         )
 
 
-def _act_order(module: str, g_idx: torch.Tensor | None, k: int, group: int) -> torch.Tensor | None:
+def act_order_perm(module: str, g_idx: torch.Tensor | None, k: int, group: int) -> torch.Tensor | None:
     """The input order that makes each group contiguous (None when it already is)."""
     if g_idx is None:
         return None

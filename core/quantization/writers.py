@@ -147,6 +147,14 @@ FORMATS = {
 }
 
 
+ORDERED_INT4_WRITERS = {
+    "gptq": (gptq_tensors, False),
+    "gptq-act-order": (gptq_tensors, True),
+    "ct-w4a16-group-actorder": (ct_w4a16_tensors, True),
+}
+"""Formats whose writer takes an input order: (writer, whether the format is act-order)."""
+
+
 def _is_linear(name: str) -> bool:
     return name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_NAMES
 
@@ -170,13 +178,14 @@ def quantize_state(state: dict[str, torch.Tensor], fmt: str, seed: int = 0
         module = name.removesuffix(".weight")
         if fmt == "awq":
             parts, ref = awq_tensors(w, group)
-        elif fmt.startswith("gptq") or fmt.startswith("ct-"):
+        elif fmt in ORDERED_INT4_WRITERS:
+            write, act_order = ORDERED_INT4_WRITERS[fmt]
             perm = None
-            if fmt.endswith("act-order") or fmt.endswith("actorder"):
+            if act_order:
                 shared = module.rsplit(".", 1)[0] + ("/in" if module.endswith(("q_proj", "k_proj", "v_proj",
                                                                               "gate_proj", "up_proj")) else module)
                 perm = perms.setdefault(shared, torch.randperm(w.shape[1], generator=gen))
-            parts, ref = (gptq_tensors if fmt.startswith("gptq") else ct_w4a16_tensors)(w, group, perm)
+            parts, ref = write(w, group, perm)
         else:
             parts, ref = fp8_block_tensors(w, FORMATS[fmt]["weight_block_size"][0])
         out.update({f"{module}.{k}": v for k, v in parts.items()})
