@@ -325,6 +325,18 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// A load that bypasses L1 (which is not coherent between SMs): data another CTA of the same
+// grid wrote before a __threadfence() and an atomic that this CTA observed.
+__device__ __forceinline__ float load_cg(const float* p) {
+#ifdef USE_ROCM
+  float r;
+  __atomic_load(p, &r, __ATOMIC_RELAXED);
+  return r;
+#else
+  return __ldcg(p);
+#endif
+}
+
 // ---- weight prefetch before the dependency wait -------------------------------------------
 // A decode GEMV launched with launch_dependent is resident while the kernel before it (a norm,
 // SiLU-and-mul, the attention's reduce: a few microseconds in which HBM is otherwise idle)

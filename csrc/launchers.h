@@ -58,6 +58,12 @@ struct DecodeArgs {
   const void* new_value;
   const int64_t* slot_mapping;  // [num_seqs]
   int64_t nk_stride_tok, nk_stride_head, nv_stride_tok, nv_stride_head;
+  // v2 only, optional: [>= num_seqs * num_q_heads] int32 arrival counts, all zero on entry and
+  // left zero by every launch. Given, the partitions of one (sequence, kv head, head tile) are
+  // merged by the CTA that finishes last (and a single partition writes the output itself)
+  // instead of by the reduce kernel: one kernel fewer per layer. Null: the reduce kernel.
+  // Ignored on ROCm and by the fp8 tensor-core kernel (they launch the reduce kernel).
+  int32_t* part_count;
   // 1: launched under programmatic dependent launch, overlapping the previous kernel (the
   // rotary embedding that produced q and the new key). The kernel reads seq_lens and
   // block_tables before waiting for that kernel, so they must be ready before it was launched.

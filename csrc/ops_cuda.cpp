@@ -192,7 +192,8 @@ void launch_decode(core_kernels::DecodeArgs& a, at::Tensor& out, const at::Tenso
                    const at::Tensor& kv_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                    int64_t partition_size, int64_t sliding_window, double logits_soft_cap,
-                   double k_scale, double v_scale, const char* op) {
+                   double k_scale, double v_scale, const c10::optional<at::Tensor>& part_count,
+                   const char* op) {
   check_decode_inputs(out, query, kv_cache, block_tables, seq_lens);
   const bool fp8 = is_fp8_cache(kv_cache);
   if (fp8) {
@@ -248,6 +249,17 @@ void launch_decode(core_kernels::DecodeArgs& a, at::Tensor& out, const at::Tenso
     a.part_max = part_max.data_ptr<float>();
     a.part_sum = part_sum.data_ptr<float>();
     a.max_parts = static_cast<int>(parts);
+    if (part_count.has_value()) {
+      // Arrival counts for the merge in the main kernel (launchers.h, DecodeArgs::part_count):
+      // the caller's zeros, which every launch leaves zero.
+      const at::Tensor& c = *part_count;
+      check_int_vector(c, "part_count", at::kInt, 1, kv_cache.device());
+      TORCH_CHECK(c.is_contiguous() && c.numel() >= query.size(0) * query.size(1),
+                  msg("part_count must be a contiguous int32 tensor of at least sequences x "
+                      "query heads = ", query.size(0) * query.size(1), " zeros; got ", c.numel(),
+                      " elements"));
+      a.part_count = c.data_ptr<int32_t>();
+    }
   }
   check_launch(core_kernels::paged_decode(a, c10::cuda::getCurrentCUDAStream()), op);
 }
@@ -255,10 +267,12 @@ void launch_decode(core_kernels::DecodeArgs& a, at::Tensor& out, const at::Tenso
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   int64_t max_seq_len, int64_t partition_size, int64_t sliding_window,
-                  double logits_soft_cap, double k_scale, double v_scale) {
+                  double logits_soft_cap, double k_scale, double v_scale,
+                  const c10::optional<at::Tensor>& part_count) {
   core_kernels::DecodeArgs a{};
   launch_decode(a, out, query, kv_cache, block_tables, seq_lens, scale, max_seq_len,
-                partition_size, sliding_window, logits_soft_cap, k_scale, v_scale, "paged_decode");
+                partition_size, sliding_window, logits_soft_cap, k_scale, v_scale, part_count,
+                "paged_decode");
 }
 
 // paged_decode that first stores each sequence's newest token (key/value [seqs, kv_heads,
@@ -271,7 +285,7 @@ void paged_decode_and_cache(at::Tensor& out, const at::Tensor& query, const at::
                             at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                             int64_t partition_size, int64_t sliding_window,
-                            double logits_soft_cap) {
+                            double logits_soft_cap, const c10::optional<at::Tensor>& part_count) {
   check_cache(kv_cache);
   TORCH_CHECK(!is_fp8_cache(kv_cache),
               "paged_decode_and_cache does not write fp8 caches (their write quantizes): use "
@@ -304,7 +318,7 @@ void paged_decode_and_cache(at::Tensor& out, const at::Tensor& query, const at::
   a.nv_stride_head = value.stride(1);
   a.overlap_previous = 1;
   launch_decode(a, out, query, kv_cache, block_tables, seq_lens, scale, max_seq_len,
-                partition_size, sliding_window, logits_soft_cap, 1.0, 1.0,
+                partition_size, sliding_window, logits_soft_cap, 1.0, 1.0, part_count,
                 "paged_decode_and_cache");
 }
 

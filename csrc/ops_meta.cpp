@@ -16,7 +16,7 @@ void reshape_and_cache_meta(const at::Tensor& key, const at::Tensor& value, at::
 
 void paged_decode_meta(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double, int64_t,
-                       int64_t, int64_t, double, double, double) {
+                       int64_t, int64_t, double, double, double, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(out.dim() == 3 && query.dim() == 3 && kv_cache.dim() == 5 &&
                   block_tables.dim() == 2 && seq_lens.dim() == 1,
               "paged_decode: expected out/query [seqs, heads, head], a 5-d cache, 2-d "
@@ -27,7 +27,7 @@ void paged_decode_and_cache_meta(at::Tensor& out, const at::Tensor& query, const
                                  const at::Tensor& value, const at::Tensor& slot_mapping,
                                  at::Tensor& kv_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double, int64_t, int64_t, int64_t,
-                                 double) {
+                                 double, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(out.dim() == 3 && query.dim() == 3 && key.dim() == 3 && value.dim() == 3 &&
                   slot_mapping.dim() == 1 && kv_cache.dim() == 5 && block_tables.dim() == 2 &&
                   seq_lens.dim() == 1,

@@ -13,12 +13,13 @@ TORCH_LIBRARY(core_C, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int max_seq_len, int partition_size, "
-      "int sliding_window, float logits_soft_cap=0.0, float k_scale=1.0, float v_scale=1.0) -> ()");
+      "int sliding_window, float logits_soft_cap=0.0, float k_scale=1.0, float v_scale=1.0, "
+      "Tensor(c!)? part_count=None) -> ()");
   m.def(
       "paged_decode_and_cache(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
       "Tensor slot_mapping, Tensor(b!) kv_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale, int max_seq_len, int partition_size, int sliding_window, "
-      "float logits_soft_cap=0.0) -> ()");
+      "float logits_soft_cap=0.0, Tensor(c!)? part_count=None) -> ()");
   m.def("copy_blocks(Tensor(a!)[] kv_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
 }

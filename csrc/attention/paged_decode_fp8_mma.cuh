@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(Fp8MmaShape::kThreads, 4) paged_decode_fp8_mma
     red_sum[warp * G + g] = l_run;
   }
   __syncthreads();
-  store_merged<QT, W, G, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part);
+  store_merged<QT, W, G, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part, a.partition == 0);
 }
 
 template <typename QT>

@@ -6,10 +6,11 @@ namespace core_kernels {
 
 // Combines the W warp states that merge_warps_and_store (or the fp8 tensor-core kernel) left
 // in shared memory -- red = acc [W][kGroup][D], then max [W][kGroup], then sum [W][kGroup] --
-// and writes either the final output (v1) or this partition's partial result (v2).
+// and writes either the final output (`final_out`: v1, or a v2 sequence of one partition
+// whose CTAs merge among themselves) or this partition's partial result (v2).
 template <typename QT, int W, int kGroup, int D, int kThreads>
 __device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* red, int seq, int qh0,
-                                             int n_heads, int part) {
+                                             int n_heads, int part, bool final_out) {
   const float* red_acc = red;
   const float* red_max = red + W * kGroup * D;
   const float* red_sum = red_max + W * kGroup;
@@ -28,7 +29,7 @@ __device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* r
     }
     // l == 0: no token attended (empty range). v_scale: the FP8 cache's value scale, else 1.
     const float out = l > 0.f ? o / l * a.v_scale : 0.f;
-    if (a.partition == 0) {
+    if (final_out) {
       auto* dst = static_cast<typename QT::Storage*>(a.out);
       dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = QT::from_float(out);
     } else {
@@ -43,11 +44,11 @@ __device__ __forceinline__ void store_merged(const DecodeArgs& a, const float* r
 }
 
 // After every warp's lanes are merged: combines the kWarps warp states through shared memory
-// and writes either the final output (v1) or this partition's partial result (v2).
+// and writes either the final output or this partition's partial result (see store_merged).
 template <typename Sh, typename QT, int kGroup>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float* red,
                                                       const LaneState<Sh, kGroup>& st, int seq,
-                                                      int qh0, int n_heads, int part) {
+                                                      int qh0, int n_heads, int part, bool final_out) {
   constexpr int W = Sh::kWarps;
   constexpr int D = Sh::kVec * Sh::kRowChunks;
   const int warp = threadIdx.x / kWarpSize;
@@ -73,7 +74,65 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeArgs& a, float
     }
   }
   __syncthreads();
-  store_merged<QT, W, kGroup, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part);
+  store_merged<QT, W, kGroup, D, Sh::kThreads>(a, red, seq, qh0, n_heads, part, final_out);
+}
+
+// Partitions of one sequence under a v2 launch with arrival counts (DecodeArgs::part_count).
+__device__ __forceinline__ int partitions_of(const DecodeArgs& a, int len) {
+  return max(1, min(a.max_parts, (len + a.partition - 1) / a.partition));
+}
+
+// The v2 merge inside the main kernel: after writing its partial result, each CTA of a
+// (sequence, kv head, head tile) with several partitions counts its arrival; the one that
+// arrives last combines the n_parts partial results of its n_heads query heads, as the reduce
+// kernel would (weights sum_p * 2^(max_p - max), normalised), and resets the count to zero for
+// the next launch. The fences order every CTA's partial stores before its count and the last
+// CTA's loads (L1-bypassing) after it. `scratch` (shared memory, free here) holds kGroup *
+// (n_parts + 1) floats: the launcher checks that it fits.
+template <typename QT, int kGroup, int D, int kThreads>
+__device__ __forceinline__ void merge_if_last(const DecodeArgs& a, float* scratch, int seq, int qh0,
+                                              int n_heads, int n_parts) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();  // every thread's partial stores are fenced; the stage buffers are free
+  if (threadIdx.x == 0) {
+    int32_t* count = a.part_count + int64_t(seq) * gridDim.y + blockIdx.y;
+    last = atomicAdd(count, 1) == n_parts - 1;
+    if (last) *count = 0;  // every partition has arrived: nothing else touches it this launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float* weights = scratch;                  // [kGroup][n_parts]
+  float* totals = scratch + kGroup * n_parts;  // [kGroup]
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  constexpr int kWarps = kThreads / kWarpSize;
+  for (int g = warp; g < n_heads; g += kWarps) {
+    const int64_t base = (int64_t(seq) * a.num_q_heads + qh0 + g) * a.max_parts;
+    float m = kNegBig;
+    for (int p = lane; p < n_parts; p += kWarpSize) m = fmaxf(m, load_cg(a.part_max + base + p));
+#pragma unroll
+    for (int off = kWarpSize / 2; off > 0; off >>= 1) m = fmaxf(m, warp_shfl_xor(m, off));
+    float total = 0.f;
+    for (int p = lane; p < n_parts; p += kWarpSize) {
+      const float w = load_cg(a.part_sum + base + p) * fast_exp2(load_cg(a.part_max + base + p) - m);
+      weights[g * n_parts + p] = w;
+      total += w;
+    }
+#pragma unroll
+    for (int off = kWarpSize / 2; off > 0; off >>= 1) total += warp_shfl_xor(total, off);
+    if (lane == 0) totals[g] = total;
+  }
+  __syncthreads();
+  auto* dst = static_cast<typename QT::Storage*>(a.out);
+  for (int idx = threadIdx.x; idx < n_heads * D; idx += kThreads) {
+    const int g = idx / D, d = idx % D;
+    const int64_t base = (int64_t(seq) * a.num_q_heads + qh0 + g) * a.max_parts;
+    float o = 0.f;
+    for (int p = 0; p < n_parts; ++p) o = fmaf(weights[g * n_parts + p], load_cg(a.part_out + (base + p) * D + d), o);
+    const float total = totals[g];
+    dst[seq * a.o_stride_tok + (qh0 + g) * a.o_stride_head + d] = QT::from_float(total > 0.f ? o / total : 0.f);
+  }
 }
 
 // The newest token of sequence `seq` (DecodeArgs::new_key) into the cache at `slot`: the key and
@@ -185,8 +244,16 @@ __global__ void __launch_bounds__(DecodeShape<CT, kHead, kGroup>::kThreads, 2)
   async_copy_wait<0>();
   merge_row_groups<Sh, kGroup>(st);
   __syncthreads();  // all warps are done with their rings; reuse them as merge scratch
+  // With arrival counts, a sequence of one partition writes its output here; one of several
+  // is merged by the partition that finishes last (merge_if_last). Else v2 leaves partials to
+  // the reduce kernel.
+  const int n_parts = a.partition && a.part_count != nullptr ? partitions_of(a, len) : 0;
   merge_warps_and_store<Sh, QT, kGroup>(a, reinterpret_cast<float*>(smem), st, seq, qh0, n_heads,
-                                        part);
+                                        part, a.partition == 0 || n_parts == 1);
+  if (n_parts > 1) {
+    merge_if_last<QT, kGroup, Sh::kVec * Sh::kRowChunks, Sh::kThreads>(
+        a, reinterpret_cast<float*>(smem), seq, qh0, n_heads, n_parts);
+  }
 }
 
 // Block-wide max or sum of one float per thread; `scratch` holds >= warps + 1 floats.
@@ -254,13 +321,21 @@ cudaError_t launch_paged_decode(const DecodeArgs& a, cudaStream_t stream) {
   const int group = a.num_q_heads / a.num_kv_heads;
   const int tiles = (group + kGroup - 1) / kGroup;
   const dim3 grid(a.partition ? a.max_parts : 1, a.num_kv_heads * tiles, a.num_seqs);
+  // The merge in the main kernel needs its weights in the stage buffers (and is not built for
+  // ROCm); otherwise the reduce kernel merges.
+  DecodeArgs b = a;
+#ifdef USE_ROCM
+  b.part_count = nullptr;
+#else
+  if (int64_t(kGroup) * (a.max_parts + 1) * int(sizeof(float)) > Sh::kSmemBytes) b.part_count = nullptr;
+#endif
   if (a.overlap_previous) {
-    err = launch_dependent(kernel, grid, dim3(Sh::kThreads), Sh::kSmemBytes, stream, a);
+    err = launch_dependent(kernel, grid, dim3(Sh::kThreads), Sh::kSmemBytes, stream, b);
   } else {
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(a);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(b);
     err = cudaGetLastError();
   }
-  if (err != cudaSuccess || a.partition == 0) return err;
+  if (err != cudaSuccess || a.partition == 0 || b.part_count != nullptr) return err;
   const dim3 reduce_grid(a.num_q_heads, a.num_seqs);
   return launch_dependent(paged_decode_reduce_kernel<QT, kHead>, reduce_grid, dim3(128),
                           a.max_parts * sizeof(float), stream, a);

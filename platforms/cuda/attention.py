@@ -13,7 +13,8 @@ which the decode kernel streams with 16-byte coalesced copies.
 
 Decode runs one of two kernels, chosen per batch by :func:`choose_decode_partition`:
 v1 (one CTA per sequence x kv head covers the whole context) or v2 (each context is split into
-partitions, one CTA each, combined by a reduce kernel).
+partitions, one CTA each; the CTA that finishes a sequence's last partition merges them, or,
+on ROCm, over an fp8 cache on tensor cores and past ~3,000 partitions, a reduce kernel).
 
 FP8 KV cache (``spec.kv_cache_dtype = torch.float8_e4m3fn``, see
 :mod:`core.quantization.kv_cache`): the cache-write kernel quantizes with the layer's scales,
@@ -107,6 +108,7 @@ class CudaPagedAttention(AttentionBackend):
         self._fused_decode_write = not spec.fp8_cache
         self._num_sms: int | None = None
         self._varlen: bool | None = None  # decided on the first prompt (needs the device)
+        self._part_counts: torch.Tensor | None = None  # see _merge_counts
 
     @staticmethod
     def kv_cache_shape(
@@ -192,10 +194,26 @@ class CudaPagedAttention(AttentionBackend):
             self.spec.logits_soft_cap or 0.0,
         )
         rows = slice(first, first + n)
+        # v2: the partitions merge in the main kernel (no reduce kernel) given arrival counts
+        merge = {} if not partition else self._merge_counts(n * self.spec.num_heads, query.device)
         if new is None:
-            self._ops.paged_decode(out[rows], query[rows], kv_cache, *common, *self._scales)
+            self._ops.paged_decode(out[rows], query[rows], kv_cache, *common, *self._scales, **merge)
         else:
-            self._ops.paged_decode_and_cache(out[rows], query[rows], *new, kv_cache, *common)
+            self._ops.paged_decode_and_cache(out[rows], query[rows], *new, kv_cache, *common, **merge)
+
+    def _merge_counts(self, needed: int, device: torch.device) -> dict:
+        """``part_count=`` for a v2 launch of ``needed`` (sequence, query head) pairs: this
+        layer's int32 arrival counts (zeros that every launch leaves zero, see
+        csrc/launchers.h). Grown outside CUDA-graph capture only (the decode graphs' eager
+        warm-up, largest batch first, sizes them); a capture that would need more gets none,
+        and its launch merges with the reduce kernel instead."""
+        counts = self._part_counts
+        if counts is None or counts.numel() < needed or counts.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return {}
+            size = max(needed, 1024)
+            counts = self._part_counts = torch.zeros(size, dtype=torch.int32, device=device)
+        return {"part_count": counts}
 
     def _sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:

@@ -28,7 +28,10 @@ def ops():
     return load_ops()
 
 
-def run_decode(ops, dtype, head, bs, group, partition, window=None, lens=LENS, seed=0):
+def run_decode(ops, dtype, head, bs, group, partition, window=None, lens=LENS, seed=0,
+               counts=None, max_len=None):
+    """``counts``: int32 arrival counts (the v2 merge in the main kernel) or None (the reduce
+    kernel); ``max_len``: the max_seq_len argument (default: the longest of ``lens``)."""
     gen = torch.Generator().manual_seed(seed)
     hkv = 2
     hq = hkv * group
@@ -38,8 +41,9 @@ def run_decode(ops, dtype, head, bs, group, partition, window=None, lens=LENS, s
     out = torch.full_like(query, float("nan"), device="cuda")
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     scale = head**-0.5
-    ops.paged_decode(out, query.cuda(), cache, paged.block_tables, seq_lens, scale, max(lens),
-                     partition, window or 0)
+    extra = {} if counts is None else {"part_count": counts}
+    ops.paged_decode(out, query.cuda(), cache, paged.block_tables, seq_lens, scale,
+                     max_len or max(lens), partition, window or 0, **extra)
     torch.cuda.synchronize()
     ref = reference_attention(query, paged.keys, paged.values, [1] * len(lens), scale, window)
     return out.cpu(), ref
@@ -71,6 +75,108 @@ def test_v1_and_v2_agree_on_long_context(ops):
     b, _ = run_decode(ops, torch.bfloat16, 128, 16, 4, 256, lens=lens, seed=5)
     assert rel_error(a, ref) < TOLERANCE[torch.bfloat16]
     assert rel_error(b, ref) < TOLERANCE[torch.bfloat16]
+
+
+def decode_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels ``fn`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("partition", [32, 512], ids=["p32", "p512"])
+def test_v2_merge_in_the_main_kernel(ops, dtype, head, group, partition):
+    """With arrival counts the CTA that finishes a sequence's last partition merges them (one
+    partition: the CTA writes the output itself): the reference's result, the reduce kernel's
+    to float rounding, no reduce kernel launched, and the counts left zero for the next launch
+    (three launches on the same counts, fresh inputs each)."""
+    counts = torch.zeros(len(LENS) * 2 * group, dtype=torch.int32, device="cuda")
+    for seed in (11, 12, 13):
+        out, ref = run_decode(ops, dtype, head, 16, group, partition, seed=seed, counts=counts)
+        assert torch.isfinite(out).all(), "unwritten or NaN output rows"
+        assert rel_error(out, ref) < TOLERANCE[dtype]
+        assert not counts.any(), f"arrival counts left nonzero: {counts.nonzero().flatten().tolist()}"
+        reduced, _ = run_decode(ops, dtype, head, 16, group, partition, seed=seed)
+        # the same partials, summed in another order: float rounding, then one output rounding
+        assert rel_error(out, reduced) < {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    names = decode_kernels(lambda: run_decode(ops, dtype, head, 16, group, partition, counts=counts))
+    assert any("paged_decode_kernel" in n for n in names), names
+    assert not any("paged_decode_reduce" in n for n in names), names
+    names = decode_kernels(lambda: run_decode(ops, dtype, head, 16, group, partition))
+    assert any("paged_decode_reduce" in n for n in names), names
+
+
+def test_v2_merge_with_a_sliding_window_and_many_partitions(ops):
+    """Partitions wholly before the window (no token attended) still arrive and weigh zero;
+    32k tokens in partitions of 256 (129 of them) merge in the main kernel."""
+    counts = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out, ref = run_decode(ops, torch.float32, 128, 16, 4, 64, window=100, seed=3, counts=counts)
+    assert torch.isfinite(out).all() and rel_error(out, ref) < TOLERANCE[torch.float32]
+    lens = [32768, 4097]
+    out, ref = run_decode(ops, torch.bfloat16, 128, 16, 4, 256, lens=lens, seed=5, counts=counts)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+    assert not counts.any()
+
+
+def test_v2_merge_falls_back_to_the_reduce_kernel(ops):
+    """More partitions than the main kernel's shared memory holds weights for (7,000 of 16
+    tokens, from max_seq_len): the reduce kernel merges, the counts stay untouched."""
+    counts = torch.zeros(64, dtype=torch.int32, device="cuda")
+    run = lambda: run_decode(ops, torch.bfloat16, 128, 16, 4, 16, counts=counts, max_len=16 * 7000)  # noqa: E731
+    out, ref = run()
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and not counts.any()
+    assert any("paged_decode_reduce" in n for n in decode_kernels(run))
+
+
+def test_v2_merge_in_a_cuda_graph(ops):
+    """paged_decode_and_cache with counts, captured once and replayed on fresh queries: each
+    replay gives its own attention and leaves the counts zero."""
+    gen = torch.Generator().manual_seed(31)
+    hkv, group, head, bs = 2, 4, 128, 16
+    lens = [1, 17, 300, 1100]
+    cache = poisoned_cache(sum(-(-n // bs) for n in lens) + 7, bs, hkv, head, torch.bfloat16)
+    paged = scatter_sequences(cache, lens, gen)
+    newest = torch.stack([slots_for(paged.block_tables[i], n - 1, 1, bs)[0] for i, n in enumerate(lens)]).cuda()
+    key = torch.stack([k[-1] for k in paged.keys]).cuda()
+    value = torch.stack([v[-1] for v in paged.values]).cuda()
+    query = torch.zeros(len(lens), hkv * group, head, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros_like(query)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(len(lens) * hkv * group, dtype=torch.int32, device="cuda")
+    step = lambda: ops.paged_decode_and_cache(out, query, key, value, newest, cache, paged.block_tables,  # noqa: E731
+                                              seq_lens, head**-0.5, max(lens), 64, 0, part_count=counts)
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(4):
+        q = torch.randn(query.shape, generator=gen).to(torch.bfloat16)
+        query.copy_(q)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_attention(q, paged.keys, paged.values, [1] * len(lens), head**-0.5, None)
+        assert rel_error(out.cpu(), ref) < TOLERANCE[torch.bfloat16]
+        assert not counts.any()
+
+
+def test_v2_merge_refuses_short_counts(ops):
+    cache = poisoned_cache(8, 16, 2, 64, torch.bfloat16)
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="cuda")
+    bt = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="at least sequences x query heads = 8"):
+        ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 32, 16, 0,
+                         part_count=torch.zeros(7, dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match="part_count must be a 1-d Int"):
+        ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 32, 16, 0,
+                         part_count=torch.zeros(8, dtype=torch.int64, device="cuda"))
 
 
 def test_fresh_inputs_each_seed_differ(ops):

@@ -33,22 +33,25 @@ def _decode(out, query, cache, tables, lens, scale) -> None:
 class RecordingOps:
     """Plain-torch stand-ins of the three ops, each noting the slots (or lengths) it got."""
 
-    def __init__(self):
-        self.calls: list[tuple[str, list[int]]] = []
-
     def reshape_and_cache(self, key, value, cache, slots, k_scale=1.0, v_scale=1.0):
         self.calls.append(("reshape_and_cache", slots.tolist()))
         _store(key, value, cache, slots)
 
+    def __init__(self):
+        self.calls: list[tuple[str, list[int]]] = []
+        self.counts: list[torch.Tensor | None] = []  # the part_count= of each decode launch
+
     def paged_decode(self, out, query, cache, tables, lens, scale, max_len, partition, window, cap,
-                     k_scale=1.0, v_scale=1.0):
+                     k_scale=1.0, v_scale=1.0, part_count=None):
         self.calls.append(("paged_decode", lens.tolist()))
+        self.counts.append(part_count)
         _decode(out, query, cache, tables, lens, scale)
 
     def paged_decode_and_cache(self, out, query, key, value, slots, cache, tables, lens, scale,
-                               max_len, partition, window, cap=0.0):
+                               max_len, partition, window, cap=0.0, part_count=None):
         assert key.shape[0] == value.shape[0] == slots.shape[0] == query.shape[0]
         self.calls.append(("paged_decode_and_cache", slots.tolist()))
+        self.counts.append(part_count)
         _store(key, value, cache, slots)
         _decode(out, query, cache, tables, lens, scale)
 
@@ -113,3 +116,33 @@ def test_fp8_caches_and_unaligned_rows_keep_the_cache_write_kernel():
     kv = torch.randn(2, 2, 64)
     backend.forward(q, kv, kv, torch.zeros(8, 2, 2, 16, 64, dtype=torch.float8_e4m3fn), decode)
     assert [name for name, _ in ops.calls] == ["reshape_and_cache", "paged_decode"]
+
+
+def test_v2_launches_get_this_layers_arrival_counts():
+    """A v2 decode (partitions) passes the layer's int32 zeros for the merge in the main kernel
+    (csrc/launchers.h part_count): at least sequences x query heads of them, the same tensor on
+    every launch that fits, a larger one when the batch outgrows it; v1 passes none."""
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32, block_size=16)
+    query, key, value, cache, md, ref, _ = _step(spec, torch.Generator().manual_seed(5))
+    ops = RecordingOps()
+    backend = CudaPagedAttention(spec, decode_partition=64, ops=ops)
+    out = backend.forward(query, key, value, cache, md)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    first = ops.counts[-1]
+    assert first is not None and first.dtype == torch.int32 and first.numel() >= 2 * 4
+    assert not first.any()
+    backend.forward(query, key, value, cache, md)
+    assert ops.counts[-1] is first
+    n = 300  # decode rows: more (sequence, head) pairs than the first allocation holds
+    tables = torch.arange(1, 1 + n, dtype=torch.int32).unsqueeze(1)
+    many = build_metadata([1] * n, [3] * n, tables.numpy(), 16, num_prefills=0,
+                          slot_mapping=(tables[:, 0].long() * 16 + 3).numpy())
+    big = poisoned_cache(n + 1, 16, 2, 64, torch.float32, device="cpu")
+    kv = torch.randn(n, 2, 64)
+    for i in range(n):
+        write_tokens(big, tables[i], 0, torch.randn(3, 2, 64), torch.randn(3, 2, 64))
+    backend.forward(torch.randn(n, 4, 64), kv, kv, big, many)
+    grown = ops.counts[-1]
+    assert grown is not first and grown.numel() >= n * 4 and not grown.any()
+    CudaPagedAttention(spec, decode_partition=0, ops=ops).forward(query, key, value, cache, md)
+    assert ops.counts[-1] is None
