@@ -92,16 +92,16 @@ __device__ __forceinline__ int partitions_of(const DecodeArgs& a, int len) {
 template <typename QT, int kGroup, int D, int kThreads>
 __device__ __forceinline__ void merge_if_last(const DecodeArgs& a, float* scratch, int seq, int qh0,
                                               int n_heads, int n_parts) {
-  __shared__ int last;
   __threadfence();
   __syncthreads();  // every thread's partial stores are fenced; the stage buffers are free
+  int last = 0;     // (a barrier's vote, not a __shared__ flag: no static shared memory, which
+                    // would cost ROCm its second CTA per CU)
   if (threadIdx.x == 0) {
     int32_t* count = a.part_count + int64_t(seq) * gridDim.y + blockIdx.y;
     last = atomicAdd(count, 1) == n_parts - 1;
     if (last) *count = 0;  // every partition has arrived: nothing else touches it this launch
   }
-  __syncthreads();
-  if (!last) return;
+  if (!__syncthreads_or(last)) return;
   __threadfence();
   float* weights = scratch;                  // [kGroup][n_parts]
   float* totals = scratch + kGroup * n_parts;  // [kGroup]
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(DecodeShape<CT, kHead, kGroup>::kThreads, 2)
                                 row_group, lane_in_row, q, a.soft_cap, st);
     warp_sync();  // every lane is done with this stage before it is refilled
   }
-  allow_dependent_launch();  // the v2 reduce kernel may be scheduled from here on
+  allow_dependent_launch();  // the next kernel (v2's reduce kernel, or the projection) may be scheduled
   async_copy_wait<0>();
   merge_row_groups<Sh, kGroup>(st);
   __syncthreads();  // all warps are done with their rings; reuse them as merge scratch

@@ -14,7 +14,8 @@ which the decode kernel streams with 16-byte coalesced copies.
 Decode runs one of two kernels, chosen per batch by :func:`choose_decode_partition`:
 v1 (one CTA per sequence x kv head covers the whole context) or v2 (each context is split into
 partitions, one CTA each; the CTA that finishes a sequence's last partition merges them, or,
-on ROCm, over an fp8 cache on tensor cores and past ~3,000 partitions, a reduce kernel).
+on ROCm, over an fp8 cache on tensor cores, and past the partitions whose weights the kernel's
+shared memory holds (1,535-6,143 by shape), a reduce kernel).
 
 FP8 KV cache (``spec.kv_cache_dtype = torch.float8_e4m3fn``, see
 :mod:`core.quantization.kv_cache`): the cache-write kernel quantizes with the layer's scales,
@@ -109,6 +110,7 @@ class CudaPagedAttention(AttentionBackend):
         self._num_sms: int | None = None
         self._varlen: bool | None = None  # decided on the first prompt (needs the device)
         self._part_counts: torch.Tensor | None = None  # see _merge_counts
+        self._retired_counts: list[torch.Tensor] = []  # outgrown ones, alive for old graphs
 
     @staticmethod
     def kv_cache_shape(
@@ -206,12 +208,15 @@ class CudaPagedAttention(AttentionBackend):
         layer's int32 arrival counts (zeros that every launch leaves zero, see
         csrc/launchers.h). Grown outside CUDA-graph capture only (the decode graphs' eager
         warm-up, largest batch first, sizes them); a capture that would need more gets none,
-        and its launch merges with the reduce kernel instead."""
+        and its launch merges with the reduce kernel instead. An outgrown tensor is kept
+        alive: a graph captured with it replays on its address."""
         counts = self._part_counts
         if counts is None or counts.numel() < needed or counts.device != device:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return {}
-            size = max(needed, 1024)
+            if counts is not None:  # graphs captured before may hold its address: keep it
+                self._retired_counts.append(counts)
+            size = max(needed, 2 * (counts.numel() if counts is not None else 512))
             counts = self._part_counts = torch.zeros(size, dtype=torch.int32, device=device)
         return {"part_count": counts}
 

@@ -33,13 +33,13 @@ def _decode(out, query, cache, tables, lens, scale) -> None:
 class RecordingOps:
     """Plain-torch stand-ins of the three ops, each noting the slots (or lengths) it got."""
 
-    def reshape_and_cache(self, key, value, cache, slots, k_scale=1.0, v_scale=1.0):
-        self.calls.append(("reshape_and_cache", slots.tolist()))
-        _store(key, value, cache, slots)
-
     def __init__(self):
         self.calls: list[tuple[str, list[int]]] = []
         self.counts: list[torch.Tensor | None] = []  # the part_count= of each decode launch
+
+    def reshape_and_cache(self, key, value, cache, slots, k_scale=1.0, v_scale=1.0):
+        self.calls.append(("reshape_and_cache", slots.tolist()))
+        _store(key, value, cache, slots)
 
     def paged_decode(self, out, query, cache, tables, lens, scale, max_len, partition, window, cap,
                      k_scale=1.0, v_scale=1.0, part_count=None):
@@ -144,5 +144,6 @@ def test_v2_launches_get_this_layers_arrival_counts():
     backend.forward(torch.randn(n, 4, 64), kv, kv, big, many)
     grown = ops.counts[-1]
     assert grown is not first and grown.numel() >= n * 4 and not grown.any()
+    assert any(t is first for t in backend._retired_counts)  # graphs may still replay on it
     CudaPagedAttention(spec, decode_partition=0, ops=ops).forward(query, key, value, cache, md)
     assert ops.counts[-1] is None
