@@ -168,11 +168,16 @@ def test_v2_merge_in_a_cuda_graph(ops):
         assert not counts.any()
 
 
+def tiny_decode_inputs(seqs: int, heads: int, head: int):
+    """(cache, query, block_tables, seq_lens) of ``seqs`` one-token sequences, for refusals."""
+    cache = poisoned_cache(8, 16, 2, head, torch.bfloat16)
+    q = torch.zeros(seqs, heads, head, dtype=torch.bfloat16, device="cuda")
+    bt = torch.zeros(seqs, 2, dtype=torch.int32, device="cuda")
+    return cache, q, bt, torch.ones(seqs, dtype=torch.int32, device="cuda")
+
+
 def test_v2_merge_refuses_short_counts(ops):
-    cache = poisoned_cache(8, 16, 2, 64, torch.bfloat16)
-    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="cuda")
-    bt = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
-    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    cache, q, bt, lens = tiny_decode_inputs(2, 4, 64)
     with pytest.raises(RuntimeError, match="at least sequences x query heads = 8"):
         ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 32, 16, 0,
                          part_count=torch.zeros(7, dtype=torch.int32, device="cuda"))
@@ -189,10 +194,7 @@ def test_fresh_inputs_each_seed_differ(ops):
 
 
 def test_bad_head_size_is_refused(ops):
-    cache = poisoned_cache(4, 16, 2, 96, torch.bfloat16)
-    q = torch.zeros(1, 2, 96, dtype=torch.bfloat16, device="cuda")
-    bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
-    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    cache, q, bt, lens = tiny_decode_inputs(1, 2, 96)
     with pytest.raises(RuntimeError, match="head size 96"):
         ops.paged_decode(q.clone(), q, cache, bt, lens, 1.0, 1, 0, 0)
 
