@@ -10,7 +10,9 @@
 // row of x, read through the read-only cache (x is a few KiB, shared by every warp). Each lane
 // accumulates kRows x M float32 partial sums; a butterfly over the warp finishes them, and lane
 // 0 writes the outputs, rounded once to the storage dtype. Float32 accumulation in a
-// different order from cuBLAS: results agree to rounding, not bit for bit.
+// different order from cuBLAS: results agree to rounding, not bit for bit. Two variants (see
+// gemv_kernel): a CTA's warps splitting long rows' inputs (the 14,336-input down projection),
+// and SiLU-and-mul of a merged [gate | up] weight in the epilogue.
 #include "cuda_compat.h"
 #include "dtype_traits.cuh"
 #include "gemv.h"
@@ -18,7 +20,7 @@
 namespace core_kernels {
 namespace {
 
-constexpr int kWarps = 4;  // per CTA
+constexpr int kWarps = kGemvSplitK;  // per CTA (a split CTA's warps are all one row group)
 constexpr int kUnroll = 2;
 
 template <typename T>
@@ -26,19 +28,35 @@ __device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-template <typename T, int M, int kRows>
+// kSplit: warps of a CTA that share one group of rows (1, or kWarps for long inputs: each warp
+// sums every kSplit-th warp-wide slice of k and warp 0 adds the kSplit partial sums in a fixed
+// order, so a CTA streams several slices of the same rows at once and the grid has kSplit times
+// more CTAs). kGated: the weight is [gate | up] (n = 2d rows) and a warp takes gate row j with up
+// row d + j, writing round(round(silu(round(g))) * round(u)) to out[m, j]: the values of this
+// kernel followed by silu_and_mul (csrc/fused_ops.cu), without the second kernel.
+template <typename T, int M, int kRows, int kSplit, bool kGated>
 __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a, const int prefetch_lines) {
+  static_assert(kSplit == 1 || kSplit == kWarps, "a CTA's warps are one row group or kWarps of them");
+  static_assert(!kGated || kRows == 2, "the gated epilogue pairs one gate row with one up row");
   using S = typename T::Storage;
   constexpr int V = T::kVec;
   const int lane = threadIdx.x % kWarpSize;
-  const int warp = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
-  const int n0 = warp * kRows;
-  if (n0 >= a.n) return;  // whole warps only: the shuffles below need every lane
+  const int wid = threadIdx.x / kWarpSize;
+  const int slice = wid % kSplit;
+  const int group = blockIdx.x * (kWarps / kSplit) + wid / kSplit;
+  const int n_out = kGated ? a.n / 2 : a.n;
+  const int n0 = kGated ? group : group * kRows;
+  if (n0 >= n_out) return;  // whole warps (whole CTAs when split): the shuffles need every lane
   const S* w = static_cast<const S*>(a.w);
   const S* x = static_cast<const S*>(a.x);
   int rows[kRows];
+  if constexpr (kGated) {
+    rows[0] = n0;
+    rows[1] = n_out + n0;
+  } else {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) rows[r] = min(n0 + r, a.n - 1);  // tail rows recompute n-1
+    for (int r = 0; r < kRows; ++r) rows[r] = min(n0 + r, a.n - 1);  // tail rows recompute n-1
+  }
 
   float acc[kRows][M];
 #pragma unroll
@@ -47,23 +65,26 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
   constexpr int kStep = kWarpSize * V;  // elements one pass of the warp covers
+  constexpr int kStride = kStep * kSplit;  // between one warp's consecutive passes
   // Launched with launch_dependent: x comes from the kernel before, which may still be
   // running; the weights do not, so their rows' starts go to L2 first (cuda_compat.h).
+  if (slice == 0) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) prefetch_row_start(w + int64_t(rows[r]) * a.w_stride, prefetch_lines, lane);
+    for (int r = 0; r < kRows; ++r) prefetch_row_start(w + int64_t(rows[r]) * a.w_stride, prefetch_lines, lane);
+  }
   grid_dependency_wait();
-  for (int k0 = lane * V; k0 < a.k; k0 += kStep * kUnroll) {
+  for (int k0 = slice * kStep + lane * V; k0 < a.k; k0 += kStride * kUnroll) {
     uint4 wv[kUnroll][kRows];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kStep;
+      const int k = k0 + u * kStride;
       const int kk = k < a.k ? k : 0;  // past the end: a harmless load, its sums skipped
 #pragma unroll
       for (int r = 0; r < kRows; ++r) wv[u][r] = load_ro<T>(w + int64_t(rows[r]) * a.w_stride + kk);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kStep;
+      const int k = k0 + u * kStride;
       if (k >= a.k) continue;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
@@ -88,49 +109,86 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
 #pragma unroll
       for (int s = kWarpSize / 2; s > 0; s /= 2) acc[r][m] += warp_shfl_xor(acc[r][m], s);
 
+  if constexpr (kSplit > 1) {
+    __shared__ float part[kSplit][kRows][M];
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) part[slice][r][m] = acc[r][m];
+    }
+    __syncthreads();
+    if (slice != 0) return;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float sum = part[0][r][m];
+#pragma unroll
+        for (int s = 1; s < kSplit; ++s) sum += part[s][r][m];
+        acc[r][m] = sum;
+      }
+  }
+
   if (lane != 0) return;
   S* out = static_cast<S*>(a.out);
+  if constexpr (kGated) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int n = n0 + r;
-    if (n >= a.n) break;
+    for (int m = 0; m < M; ++m) {
+      const float g = T::to_float1(T::from_float(acc[0][m]));
+      const float u = T::to_float1(T::from_float(acc[1][m]));
+      const float s = T::to_float1(T::from_float(g / (1.f + expf(-g))));  // as silu_and_mul_kernel
+      out[int64_t(m) * a.out_stride + n0] = T::from_float(s * u);
+    }
+  } else {
 #pragma unroll
-    for (int m = 0; m < M; ++m) out[int64_t(m) * a.out_stride + n] = T::from_float(acc[r][m]);
+    for (int r = 0; r < kRows; ++r) {
+      const int n = n0 + r;
+      if (n >= a.n) break;
+#pragma unroll
+      for (int m = 0; m < M; ++m) out[int64_t(m) * a.out_stride + n] = T::from_float(acc[r][m]);
+    }
   }
 }
 
-template <typename T, int M, int kRows>
+template <typename T, int M, int kRows, int kSplit, bool kGated>
 cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
-  const int warps = (a.n + kRows - 1) / kRows;
-  const int blocks = (warps + kWarps - 1) / kWarps;
+  const int groups = kGated ? a.n / 2 : (a.n + kRows - 1) / kRows;
+  constexpr int kGroupsPerCta = kWarps / kSplit;
+  const int blocks = (groups + kGroupsPerCta - 1) / kGroupsPerCta;
   // Under programmatic dependent launch (cuda_compat.h): the CTAs are resident while the
   // kernel before (the norm, SiLU-and-mul, the attention's reduce) finishes.
   const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) * sizeof(typename T::Storage));
-  return launch_dependent(gemv_kernel<T, M, kRows>, dim3(blocks), dim3(kWarps * kWarpSize), 0, stream, a,
-                          lines);
+  return launch_dependent(gemv_kernel<T, M, kRows, kSplit, kGated>, dim3(blocks), dim3(kWarps * kWarpSize), 0,
+                          stream, a, lines);
 }
 
-template <typename T, int kRows>
+template <typename T, int kRows, int kSplit, bool kGated>
 cudaError_t dispatch_m(const GemvArgs& a, cudaStream_t stream) {
   switch (a.m) {
-    case 1: return launch<T, 1, kRows>(a, stream);
-    case 2: return launch<T, 2, kRows>(a, stream);
-    case 3: return launch<T, 3, kRows>(a, stream);
-    case 4: return launch<T, 4, kRows>(a, stream);
-    case 5: return launch<T, 5, kRows>(a, stream);
-    case 6: return launch<T, 6, kRows>(a, stream);
-    case 7: return launch<T, 7, kRows>(a, stream);
-    case 8: return launch<T, 8, kRows>(a, stream);
+    case 1: return launch<T, 1, kRows, kSplit, kGated>(a, stream);
+    case 2: return launch<T, 2, kRows, kSplit, kGated>(a, stream);
+    case 3: return launch<T, 3, kRows, kSplit, kGated>(a, stream);
+    case 4: return launch<T, 4, kRows, kSplit, kGated>(a, stream);
+    case 5: return launch<T, 5, kRows, kSplit, kGated>(a, stream);
+    case 6: return launch<T, 6, kRows, kSplit, kGated>(a, stream);
+    case 7: return launch<T, 7, kRows, kSplit, kGated>(a, stream);
+    case 8: return launch<T, 8, kRows, kSplit, kGated>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t dispatch_rows(const GemvArgs& a, cudaStream_t stream) {
+  if (a.silu_and_mul) {  // one gate and one up row per warp
+    if (a.n % 2 != 0 || a.rows_per_warp != 2) return cudaErrorInvalidValue;
+    return a.split_k == 1 ? dispatch_m<T, 2, 1, true>(a, stream) : dispatch_m<T, 2, kWarps, true>(a, stream);
+  }
+  const bool split = a.split_k != 1;
   switch (a.rows_per_warp) {
-    case 1: return dispatch_m<T, 1>(a, stream);
-    case 2: return dispatch_m<T, 2>(a, stream);
-    case 4: return dispatch_m<T, 4>(a, stream);
+    case 1: return split ? dispatch_m<T, 1, kWarps, false>(a, stream) : dispatch_m<T, 1, 1, false>(a, stream);
+    case 2: return split ? dispatch_m<T, 2, kWarps, false>(a, stream) : dispatch_m<T, 2, 1, false>(a, stream);
+    case 4: return split ? cudaErrorInvalidValue : dispatch_m<T, 4, 1, false>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -139,6 +197,7 @@ cudaError_t dispatch_rows(const GemvArgs& a, cudaStream_t stream) {
 
 cudaError_t gemv(const GemvArgs& a, cudaStream_t stream) {
   if (a.m < 1 || a.m > kGemvMaxRows || a.n < 1 || a.k < 1) return cudaErrorInvalidValue;
+  if (a.split_k != 1 && a.split_k != kGemvSplitK) return cudaErrorInvalidValue;
   switch (a.dtype) {
     case DType::kFloat16: return dispatch_rows<Fp16>(a, stream);
     case DType::kBFloat16: return dispatch_rows<Bf16>(a, stream);

@@ -53,18 +53,30 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what, b
   }
 }
 
-void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp) {
+void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp, int64_t split_k,
+          bool silu_and_mul) {
   check_rows(x, x, "x", true);
   check_rows(weight, x, "weight", true);
   check_rows(out, x, "out", false);
-  TORCH_CHECK(x.size(1) == weight.size(1) && out.size(0) == x.size(0) && out.size(1) == weight.size(0),
-              "core_C.gemv: shapes do not match: x " + dims(x) + ", weight " + dims(weight) +
-                  ", out " + dims(out) + " (want out [m, n] for x [m, k] and weight [n, k])");
+  const int64_t n_out = silu_and_mul ? weight.size(0) / 2 : weight.size(0);
+  TORCH_CHECK(!silu_and_mul || weight.size(0) % 2 == 0,
+              "core_C.gemv: silu_and_mul needs a [gate | up] weight of an even number of rows, got " + dims(weight));
+  TORCH_CHECK(x.size(1) == weight.size(1) && out.size(0) == x.size(0) && out.size(1) == n_out,
+              "core_C.gemv: shapes do not match: x " + dims(x) + ", weight " + dims(weight) + ", out " + dims(out) +
+                  (silu_and_mul ? " (want out [m, n / 2] for x [m, k] and a [gate | up] weight [n, k])"
+                                : " (want out [m, n] for x [m, k] and weight [n, k])"));
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= core_kernels::kGemvMaxRows,
               "core_C.gemv: x has " + std::to_string(x.size(0)) + " rows; the kernel takes 1 to " +
                   std::to_string(core_kernels::kGemvMaxRows) + " (use torch's linear above that)");
   TORCH_CHECK(rows_per_warp == 1 || rows_per_warp == 2 || rows_per_warp == 4,
               "core_C.gemv: rows_per_warp " + std::to_string(rows_per_warp) + " must be 1, 2 or 4");
+  TORCH_CHECK(split_k == 1 || (split_k == core_kernels::kGemvSplitK && rows_per_warp != 4),
+              "core_C.gemv: split_k " + std::to_string(split_k) + " must be 1 or " +
+                  std::to_string(core_kernels::kGemvSplitK) + " (" + std::to_string(core_kernels::kGemvSplitK) +
+                  " only with 1 or 2 rows per warp)");
+  TORCH_CHECK(!silu_and_mul || rows_per_warp == 2,
+              "core_C.gemv: silu_and_mul takes rows_per_warp 2 (one gate and one up row), got " +
+                  std::to_string(rows_per_warp));
   const c10::cuda::CUDAGuard guard(x.device());
   core_kernels::GemvArgs a{};
   a.out = out.data_ptr();
@@ -77,19 +89,23 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_
   a.n = static_cast<int>(weight.size(0));
   a.k = static_cast<int>(x.size(1));
   a.rows_per_warp = static_cast<int>(rows_per_warp);
+  a.split_k = static_cast<int>(split_k);
+  a.silu_and_mul = silu_and_mul;
   a.dtype = gemv_dtype(x);
   const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv failed: ") + cudaGetErrorString(err));
 }
 
-void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t) {
+void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t, int64_t, bool) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && weight.dim() == 2, "gemv: expected 2-d out, x, weight");
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(core_C, m) {
-  m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, int rows_per_warp) -> ()");
+  m.def(
+      "gemv(Tensor(a!) out, Tensor x, Tensor weight, int rows_per_warp, int split_k=1, bool silu_and_mul=False) -> "
+      "()");
 }
 
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) { m.impl("gemv", &gemv); }

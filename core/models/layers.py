@@ -31,7 +31,7 @@ kernels) collects the slices and joins them in ``prepare``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -208,6 +208,14 @@ class LinearMethod:
         """``x @ layer.weight.T + bias`` for this rank's slice of the weight."""
         return F.linear(x, layer.weight, bias)
 
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+    ) -> torch.Tensor:
+        """``silu_and_mul(apply(layer, x, bias))`` for a ``[gate | up]`` layer (the platform's
+        ``silu_and_mul`` op: gate then up, ``[..., d]`` out). A method whose kernel can apply
+        the activation in its epilogue, with the same values, overrides this."""
+        return silu_and_mul(self.apply(layer, x, bias))
+
     def prepare_embedding(self, layer: VocabParallelEmbedding) -> None:
         """Derive a compact form of a loaded embedding table (which a tied LM head shares); a
         method may then release the dense table, if its :meth:`embed` and the platform's
@@ -308,6 +316,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), ctx, bias)
         tp = ctx.comm.world_size
         self.sizes_per_rank = [_divide(s, tp, "merged output size") for s in output_sizes]
+
+    def silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable) -> torch.Tensor:
+        """``silu_and_mul(self(x))`` of a ``[gate, up]`` pair through the format's
+        :meth:`LinearMethod.apply_silu_and_mul` (which may fuse the two)."""
+        if len(self.sizes_per_rank) != 2 or self.sizes_per_rank[0] != self.sizes_per_rank[1] or self.gather_output:
+            raise ValueError(f"silu_and_mul needs a merged layer of two equal outputs, not {self.sizes_per_rank}")
+        return self.linear_method.apply_silu_and_mul(self, x, self.bias, silu_and_mul)
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         if shard is None or not 0 <= shard < len(self.sizes_per_rank):

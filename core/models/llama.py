@@ -115,7 +115,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, a.hidden_size, ctx, bias=a.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.ops.silu_and_mul))
 
 
 MakeMLP = Callable[[LlamaArgs, ModelContext, int], nn.Module]

@@ -5,12 +5,16 @@ Measured on the H200 against cuBLAS (docs/benchmarks/cuda_gemv.md, 2026-12-01): 
 isolation at 1-2 rows on the layers of up to 8,192 inputs, slower on the 14,336-input down
 projection (cuBLAS's split-K) and from 4 rows; in the graphed decode step it was then no
 faster. Since 2026-12-06 the kernel runs under programmatic dependent launch (its CTAs are
-resident while the norm, SiLU-and-mul or attention reduce before it finishes; cuBLAS's kernels
-cannot be launched so), which is what :class:`CudaDenseLinear` uses it for
-(docs/benchmarks/cuda_e2e.md).
+resident while the norm or attention before it finishes; cuBLAS's kernels cannot be launched
+so), which is what :class:`CudaDenseLinear` uses it for (docs/benchmarks/cuda_e2e.md); since
+session 18 it splits long rows across a CTA's warps (the down projection, now faster than
+cuBLAS's split-K on the H100) and applies the MLP's SiLU-and-mul in its epilogue
+(:func:`gemv_silu_and_mul`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,18 +48,43 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None) -> torch.Tensor:
+GEMV_SPLIT_K = 4
+"""Warps of a CTA that split one row group's inputs when split (csrc/gemv.h, kGemvSplitK)."""
+SPLIT_K_ABOVE = 8192
+"""Inputs above which :func:`gemv` splits each row across a CTA's warps by default (the
+14,336-input down projection: one warp per row streamed 28 KiB alone and lost to cuBLAS's
+split-K, docs/benchmarks/cuda_gemv.md)."""
+
+
+def split_k_for(k: int) -> int:
+    return GEMV_SPLIT_K if k > SPLIT_K_ABOVE else 1
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` through the kernel (callers check :func:`gemv_fits` first)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    load_ops().gemv(out, x, weight, per_warp or rows_per_warp(weight.shape[0]))
+    k = x.shape[1]
+    load_ops().gemv(out, x, weight, per_warp or rows_per_warp(weight.shape[0]), split_k or split_k_for(k))
+    return out
+
+
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x @ weight.T`` for a ``[gate | up]`` weight [2d, k], in one
+    kernel: out [m, d], equal to :func:`gemv` followed by the platform's ``silu_and_mul``
+    (one gate and one up row per warp; the same sums, the same roundings)."""
+    out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    load_ops().gemv(out, x, weight, 2, split_k_for(x.shape[1]), True)
     return out
 
 
 DENSE_GEMV_ROWS = 2
 """Decode rows the dense method sends through the kernel (from 4 rows cuBLAS is faster)."""
-DENSE_GEMV_MAX_K = 8192
-"""Longest input the dense method sends through it (the 14,336-input down projection of
-Llama-3-8B is faster in cuBLAS's split-K)."""
+DENSE_GEMV_MAX_K = 16384
+"""Longest input the dense method sends through it: up to 8,192 inputs one warp a row, above
+that each row split across a CTA's warps (:func:`split_k_for`), which took Llama-3-8B's
+14,336-input down projection from cuBLAS's split-K (two kernels) to one 39 us kernel on the
+H100 (cuBLAS 43.6 us; docs/benchmarks/cuda_gemv.md). Longer inputs were never measured and
+keep cuBLAS."""
 
 
 def dense_takes_gemv(rows: int, k: int, dtype: torch.dtype, has_bias: bool, major: int) -> bool:
@@ -77,17 +106,37 @@ class CudaDenseLinear(LinearMethod):
     def __init__(self):
         self._major: dict[int, int] = {}  # device index -> compute capability major
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _gemv_rows(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x`` as the kernel's [m, k] rows where :func:`dense_takes_gemv` says so, else None."""
         k = x.shape[-1]
-        if x.is_cuda and x.numel() <= DENSE_GEMV_ROWS * k:
-            major = self._major.get(x.device.index)
-            if major is None:
-                major = self._major[x.device.index] = torch.cuda.get_device_capability(x.device)[0]
-            x2 = x.reshape(-1, k)
-            if dense_takes_gemv(x2.shape[0], k, x.dtype, bias is not None, major) and gemv_fits(x2, layer.weight):
-                y = gemv(x2, layer.weight)
-                return y.view(*x.shape[:-1], y.shape[-1])
-        return F.linear(x, layer.weight, bias)
+        if not (x.is_cuda and x.numel() <= DENSE_GEMV_ROWS * k):
+            return None
+        major = self._major.get(x.device.index)
+        if major is None:
+            major = self._major[x.device.index] = torch.cuda.get_device_capability(x.device)[0]
+        x2 = x.reshape(-1, k)
+        if dense_takes_gemv(x2.shape[0], k, x.dtype, bias is not None, major) and gemv_fits(x2, layer.weight):
+            return x2
+        return None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = self._gemv_rows(layer, x, bias)
+        if x2 is None:
+            return F.linear(x, layer.weight, bias)
+        y = gemv(x2, layer.weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+    ) -> torch.Tensor:
+        """Where the kernel takes the gate/up projection, SiLU-and-mul runs in its epilogue
+        (:func:`gemv_silu_and_mul`: the values of the kernel followed by the platform's
+        ``silu_and_mul``, one kernel fewer a layer); else the two ops."""
+        x2 = self._gemv_rows(layer, x, bias)
+        if x2 is None:
+            return silu_and_mul(self.apply(layer, x, bias))
+        y = gemv_silu_and_mul(x2, layer.weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 CUDA_DENSE = CudaDenseLinear()

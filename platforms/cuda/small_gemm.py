@@ -11,9 +11,9 @@ fused gate/up, down, LM head) it times:
 * ``cublas``: ``torch.nn.functional.linear`` (what the model runs today);
 * ``splitk-S``: the reduction dimension cut into ``S`` slices, one batched GEMM over the
   slices (more CTAs for a skinny problem) and a sum over them, in plain torch;
-* ``gemv-R``: csrc/gemv.cu (``core_C.gemv``, M <= 8) with ``R`` output features per warp, and
-  ``gemv``: the same with the layer's default R (what :class:`platforms.cuda.gemv.CudaDenseLinear`
-  runs).
+* ``gemv-R``: csrc/gemv.cu (``core_C.gemv``, M <= 8) with ``R`` output features per warp,
+  ``gemv-R-split4``: the same with each row's inputs split across a CTA's four warps, and
+  ``gemv``: the layer's defaults (what :class:`platforms.cuda.gemv.CudaDenseLinear` runs).
 
 Each variant is checked against the float64 product first. Timing: CUDA events around 48
 back-to-back calls after 10 warm-ups, median of 5 such runs. The calls cycle through copies
@@ -31,7 +31,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from platforms.cuda.gemv import GEMV_MAX_ROWS, gemv
+from platforms.cuda.gemv import GEMV_MAX_ROWS, GEMV_SPLIT_K, gemv
 
 # (name, in_features, out_features) of Llama-3-8B's linear layers.
 SHAPES = (
@@ -73,10 +73,13 @@ def check(name: str, got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
-def measure(rows: list[int], splits: list[int], dtype: torch.dtype, gemv_rows: list[int]) -> list[dict]:
+def measure(rows: list[int], splits: list[int], dtype: torch.dtype, gemv_rows: list[int],
+            shapes: list[str] | None = None) -> list[dict]:
     dev = torch.device("cuda")
     results = []
     for name, k, n in SHAPES:
+        if shapes and name not in shapes:
+            continue
         w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
         nbytes = w.numel() * w.element_size()
         weights = [w] + [w.clone() for _ in range(-(-(512 << 20) // nbytes) - 1)]
@@ -90,7 +93,9 @@ def measure(rows: list[int], splits: list[int], dtype: torch.dtype, gemv_rows: l
             if m <= GEMV_MAX_ROWS:
                 variants["gemv"] = lambda w, x=x: gemv(x, w)
                 for r in gemv_rows:
-                    variants[f"gemv-{r}"] = lambda w, x=x, r=r: gemv(x, w, r)
+                    variants[f"gemv-{r}"] = lambda w, x=x, r=r: gemv(x, w, r, 1)
+                    if r in (1, 2):  # each row's inputs split across a CTA's warps
+                        variants[f"gemv-{r}-split{GEMV_SPLIT_K}"] = lambda w, x=x, r=r: gemv(x, w, r, GEMV_SPLIT_K)
             for variant, fn in variants.items():
                 check(f"{name} M={m} {variant}", fn(w), x, w)
                 ms = time_ms(fn, weights)
@@ -108,12 +113,14 @@ def main(argv=None) -> int:
     p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--gemv-rows", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--shapes", nargs="+", choices=[name for name, _, _ in SHAPES], default=None,
+                   help="only these projections (default: all)")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("small_gemm needs a CUDA device (run it on the GPU machine)")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    results = measure(ns.rows, ns.splits, getattr(torch, ns.dtype), ns.gemv_rows)
+    results = measure(ns.rows, ns.splits, getattr(torch, ns.dtype), ns.gemv_rows, ns.shapes)
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=2)

@@ -52,6 +52,67 @@ def test_gemv_strided_rows_and_llama_shapes():
         _check(gemv(x, w), x, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_warp", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gemv_split_across_warps_matches_float64(dtype, per_warp, m):
+    """split_k 4: a CTA's four warps share each row's inputs (the long down projection's
+    layout); k not a multiple of the four warps' stride, n not a multiple of a CTA's rows."""
+    from platforms.cuda.gemv import GEMV_SPLIT_K, gemv
+
+    g = torch.Generator(device="cuda").manual_seed(31 * m + per_warp)
+    n, k = 1027, 14336 + 8 * 37
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    got = gemv(x, w, per_warp, GEMV_SPLIT_K)
+    _check(got, x, w)
+    assert got.shape == (m, n)
+
+
+def _gate_up(m, d, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(2 * d, k, device="cuda", generator=g) * (3 / k**0.5)).to(dtype)  # gates of a few units
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_gemv_silu_and_mul_is_the_kernel_then_silu_and_mul(dtype, split, m):
+    """SiLU-and-mul in the epilogue gives, bit for bit, the kernel's [gate | up] product
+    followed by the CUDA platform's silu_and_mul (same sums, same roundings), and agrees with
+    the float64 silu(x g^T) * (x u^T)."""
+    from platforms.cuda.build import load_ops
+    from platforms.cuda.gemv import gemv
+    from platforms.cuda.ops import silu_and_mul
+
+    d, k = 1032, 4096 + 8 * 37
+    x, w = _gate_up(m, d, k, dtype, 100 * m + split)
+    fused = torch.empty(m, d, device="cuda", dtype=dtype)
+    load_ops().gemv(fused, x, w, 2, split, True)
+    assert torch.equal(fused, silu_and_mul(gemv(x, w, 2, split)))
+    xd, wd = x.double(), w.double()
+    want = torch.nn.functional.silu(xd @ wd[:d].T) * (xd @ wd[d:].T)
+    tol = 3 * _TOL[dtype]
+    torch.testing.assert_close(fused.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_gemv_silu_and_mul_partial_last_cta_and_strided_out():
+    """d not a multiple of a CTA's four gate/up pairs, output rows strided: against float64."""
+    from platforms.cuda.build import load_ops
+
+    m, d, k = 2, 1030, 2048
+    x, w = _gate_up(m, d, k, torch.bfloat16, 5)
+    big = torch.full((m, d + 6), 7.0, device="cuda", dtype=torch.bfloat16)
+    load_ops().gemv(big[:, :d], x, w, 2, 1, True)
+    xd, wd = x.double(), w.double()
+    want = torch.nn.functional.silu(xd @ wd[:d].T) * (xd @ wd[d:].T)
+    tol = 3 * _TOL[torch.bfloat16]
+    torch.testing.assert_close(big[:, :d].double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert (big[:, d:] == 7.0).all()  # nothing written past each output row
+
+
 def test_gemv_refuses_what_it_cannot_read():
     from platforms.cuda.build import load_ops
 
@@ -63,6 +124,17 @@ def test_gemv_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="multiple of 4"):
         ops.gemv(torch.empty(1, 32, device="cuda"), torch.randn(1, 62, device="cuda"),
                  torch.randn(32, 62, device="cuda"), 1)
+    one = torch.randn(1, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="split_k 3 must be 1 or 4"):
+        ops.gemv(torch.empty(1, 32, device="cuda"), one, w, 1, 3)
+    with pytest.raises(RuntimeError, match="only with 1 or 2 rows per warp"):
+        ops.gemv(torch.empty(1, 32, device="cuda"), one, w, 4, 4)
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        ops.gemv(torch.empty(1, 15, device="cuda"), one, torch.randn(31, 64, device="cuda"), 2, 1, True)
+    with pytest.raises(RuntimeError, match="rows_per_warp 2"):
+        ops.gemv(torch.empty(1, 16, device="cuda"), one, w, 1, 1, True)
+    with pytest.raises(RuntimeError, match=r"want out \[m, n / 2\]"):
+        ops.gemv(torch.empty(1, 32, device="cuda"), one, w, 2, 1, True)
 
 
 def _layer(n, k, dtype, gen):
@@ -72,13 +144,13 @@ def _layer(n, k, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,k", [(1, 4096), (2, 8192), (3, 4096), (1, 14336)])
+@pytest.mark.parametrize("m,k", [(1, 4096), (2, 8192), (3, 4096), (1, 14336), (2, 16392)])
 def test_the_dense_method_takes_the_kernel_for_one_or_two_rows(dtype, m, k):
-    """CudaDenseLinear: 1-2 rows of fp16 / bf16 over up to 8,192 inputs without a bias give
+    """CudaDenseLinear: 1-2 rows of fp16 / bf16 over up to 16,384 inputs without a bias give
     exactly the kernel's result on a Hopper or newer GPU; more rows, longer inputs, fp32, a
     bias (cuBLAS rounds product and bias once) and older GPUs give exactly cuBLAS's; both agree
     with the float64 product; leading dims kept."""
-    from platforms.cuda.gemv import CUDA_DENSE, gemv
+    from platforms.cuda.gemv import CUDA_DENSE, DENSE_GEMV_MAX_K, gemv
 
     g = torch.Generator(device="cuda").manual_seed(m * k + len(str(dtype)))
     layer = _layer(1000, k, dtype, g)
@@ -87,12 +159,39 @@ def test_the_dense_method_takes_the_kernel_for_one_or_two_rows(dtype, m, k):
     got = CUDA_DENSE.apply(layer, x, None)
     assert got.shape == (m, 1, 1000)
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    kernel = dtype != torch.float32 and m <= 2 and k <= 8192 and hopper
+    kernel = dtype != torch.float32 and m <= 2 and k <= DENSE_GEMV_MAX_K and hopper
     want = gemv(x.reshape(m, k), layer.weight) if kernel else torch.nn.functional.linear(x, layer.weight)
     assert torch.equal(got.reshape(m, 1000), want.reshape(m, 1000))
     _check(got.reshape(m, 1000), x.reshape(m, k), layer.weight)
     with_bias = CUDA_DENSE.apply(layer, x, bias)
     assert torch.equal(with_bias, torch.nn.functional.linear(x, layer.weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_the_dense_method_fuses_silu_and_mul_where_it_takes_the_kernel(dtype, m):
+    """CudaDenseLinear.apply_silu_and_mul through a model's merged gate/up layer: where the
+    method takes the kernel (1-2 bf16 rows on Hopper or newer), the fused epilogue; else
+    cuBLAS then the op it is given. Either way exactly its apply() followed by the platform's
+    silu_and_mul, leading dims kept; a bias goes to cuBLAS."""
+    from platforms.cuda.gemv import CUDA_DENSE
+    from platforms.cuda.ops import silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(11 * m)
+    d, k = 1024, 4096
+    layer = _layer(2 * d, k, dtype, g)
+    x = torch.randn(m, 1, k, device="cuda", generator=g).to(dtype)
+    calls = []
+    got = CUDA_DENSE.apply_silu_and_mul(layer, x, None, lambda y: calls.append(1) or silu_and_mul(y))
+    assert got.shape == (m, 1, d)
+    assert torch.equal(got, silu_and_mul(CUDA_DENSE.apply(layer, x, None)))
+    fused = dtype == torch.bfloat16 and m <= 2 and torch.cuda.get_device_capability()[0] >= 9
+    assert calls == ([] if fused else [1])
+    calls.clear()
+    bias = torch.randn(2 * d, device="cuda", generator=g).to(dtype)
+    with_bias = CUDA_DENSE.apply_silu_and_mul(layer, x, bias, lambda y: calls.append(1) or silu_and_mul(y))
+    assert calls == [1]
+    assert torch.equal(with_bias, silu_and_mul(torch.nn.functional.linear(x, layer.weight, bias)))
 
 
 @pytest.mark.parametrize("m", [1, 2])

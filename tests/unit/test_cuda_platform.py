@@ -156,7 +156,8 @@ def test_dense_weights_take_the_platforms_gemv_method_and_cpu_tensors_fall_back_
     assert dense_takes_gemv(1, 4096, bf16, False, 9) and dense_takes_gemv(2, 8192, f16, False, 10)
     assert not dense_takes_gemv(3, 4096, bf16, False, 9)      # from 3 rows: cuBLAS
     assert not dense_takes_gemv(0, 4096, bf16, False, 9)      # no rows
-    assert not dense_takes_gemv(1, 14336, bf16, False, 9)     # down projection: split-K cuBLAS
+    assert dense_takes_gemv(1, 14336, bf16, False, 9)         # down projection: split across warps
+    assert not dense_takes_gemv(1, 16392, bf16, False, 9)     # longer inputs never measured: cuBLAS
     assert not dense_takes_gemv(1, 4096, f32, False, 9)       # fp32: cuBLAS
     assert not dense_takes_gemv(1, 4096, bf16, True, 9)       # a bias: cuBLAS rounds once
     assert not dense_takes_gemv(1, 4096, bf16, False, 8)      # no programmatic dependent launch

@@ -65,6 +65,23 @@ def test_merged_and_qkv_single_rank_concatenate_their_parts():
     torch.testing.assert_close(qkv(x), torch.cat([x @ q.T, x @ k.T, x @ v.T], -1))
 
 
+def test_merged_gate_up_silu_and_mul_goes_through_the_format_and_needs_two_equal_parts():
+    """The MLP's gate/up layer hands SiLU-and-mul to its format (which may fuse it; the dense
+    format applies the op it is given to its product); other merged shapes are refused."""
+    from core.ops import silu_and_mul
+
+    gate, up, x = rand(12, 8, seed=1), rand(12, 8, seed=2), rand(3, 8, seed=3)
+    merged = MergedColumnParallelLinear(8, [12, 12], ctx_for())
+    merged.load_weight("weight", gate, 0)
+    merged.load_weight("weight", up, 1)
+    seen = []
+    got = merged.silu_and_mul(x, lambda y: seen.append(y.shape) or silu_and_mul(y))
+    assert seen == [(3, 24)]
+    torch.testing.assert_close(got, F.silu(x @ gate.T) * (x @ up.T))
+    with pytest.raises(ValueError, match=r"two equal outputs, not \[12, 4\]"):
+        MergedColumnParallelLinear(8, [12, 4], ctx_for()).silu_and_mul(x, silu_and_mul)
+
+
 def test_embedding_and_lm_head_single_rank():
     w, ids, h = rand(10, 6, seed=1), torch.tensor([0, 9, 3, 3]), rand(4, 6, seed=2)
     emb = VocabParallelEmbedding(10, 6, ctx_for())
