@@ -28,7 +28,7 @@ __device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// kSplit: warps of a CTA that share one group of rows (1, or kWarps for long inputs: each warp
+// kSplit: warps of a CTA that share one group of rows (1, or kWarps, the default: each warp
 // sums every kSplit-th warp-wide slice of k and warp 0 adds the kSplit partial sums in a fixed
 // order, so a CTA streams several slices of the same rows at once and the grid has kSplit times
 // more CTAs). kGated: the weight is [gate | up] (n = 2d rows) and a warp takes gate row j with up

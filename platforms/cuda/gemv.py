@@ -49,22 +49,22 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 GEMV_SPLIT_K = 4
-"""Warps of a CTA that split one row group's inputs when split (csrc/gemv.h, kGemvSplitK)."""
-SPLIT_K_ABOVE = 8192
-"""Inputs above which :func:`gemv` splits each row across a CTA's warps by default (the
-14,336-input down projection: one warp per row streamed 28 KiB alone and lost to cuBLAS's
-split-K, docs/benchmarks/cuda_gemv.md)."""
+"""Warps of a CTA that share one row group's inputs (csrc/gemv.h, kGemvSplitK), the default at
+1-2 rows per warp: on an H100 it took the 14,336-input down projection from 44.0 to 39.2 us
+(cuBLAS's split-K: 43.6) and the whole batch-1 decode step 1.8 % below splitting only the
+down projection (docs/benchmarks/cuda_e2e.md, session 18)."""
 
 
-def split_k_for(k: int) -> int:
-    return GEMV_SPLIT_K if k > SPLIT_K_ABOVE else 1
+def split_k_for(per_warp: int) -> int:
+    """The default ``split_k`` for ``per_warp`` rows per warp (the kernel splits at 1 or 2)."""
+    return GEMV_SPLIT_K if per_warp in (1, 2) else 1
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` through the kernel (callers check :func:`gemv_fits` first)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    k = x.shape[1]
-    load_ops().gemv(out, x, weight, per_warp or rows_per_warp(weight.shape[0]), split_k or split_k_for(k))
+    per_warp = per_warp or rows_per_warp(weight.shape[0])
+    load_ops().gemv(out, x, weight, per_warp, split_k or split_k_for(per_warp))
     return out
 
 
@@ -73,18 +73,17 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kernel: out [m, d], equal to :func:`gemv` followed by the platform's ``silu_and_mul``
     (one gate and one up row per warp; the same sums, the same roundings)."""
     out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-    load_ops().gemv(out, x, weight, 2, split_k_for(x.shape[1]), True)
+    load_ops().gemv(out, x, weight, 2, split_k_for(2), True)
     return out
 
 
 DENSE_GEMV_ROWS = 2
 """Decode rows the dense method sends through the kernel (from 4 rows cuBLAS is faster)."""
 DENSE_GEMV_MAX_K = 16384
-"""Longest input the dense method sends through it: up to 8,192 inputs one warp a row, above
-that each row split across a CTA's warps (:func:`split_k_for`), which took Llama-3-8B's
-14,336-input down projection from cuBLAS's split-K (two kernels) to one 39 us kernel on the
-H100 (cuBLAS 43.6 us; docs/benchmarks/cuda_gemv.md). Longer inputs were never measured and
-keep cuBLAS."""
+"""Longest input the dense method sends through it. With each row split across a CTA's warps
+(:data:`GEMV_SPLIT_K`) Llama-3-8B's 14,336-input down projection runs in one 39 us kernel on
+the H100 instead of cuBLAS's split-K (two kernels, 43.6 us). Longer inputs were never measured
+and keep cuBLAS."""
 
 
 def dense_takes_gemv(rows: int, k: int, dtype: torch.dtype, has_bias: bool, major: int) -> bool:
