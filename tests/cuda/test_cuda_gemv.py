@@ -26,18 +26,18 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("per_warp", [1, 2, 4])
+@pytest.mark.parametrize("per_warp,split", [(1, 1), (1, 4), (2, 1), (2, 4), (4, 1)])
 @pytest.mark.parametrize("m", range(1, 9))
-def test_gemv_matches_float64(dtype, per_warp, m):
+def test_gemv_matches_float64(dtype, per_warp, split, m):
     from platforms.cuda.gemv import gemv, gemv_fits
 
-    g = torch.Generator(device="cuda").manual_seed(1000 * m + per_warp)
+    g = torch.Generator(device="cuda").manual_seed(1000 * m + 10 * per_warp + split)
     # n not a multiple of the rows per warp or CTA; k not a multiple of one warp's stride.
     n, k = 1027, 4096 + 8 * 37
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     assert gemv_fits(x, w)
-    _check(gemv(x, w, per_warp), x, w)
+    _check(gemv(x, w, per_warp, split), x, w)
 
 
 def test_gemv_strided_rows_and_llama_shapes():
