@@ -106,6 +106,9 @@ class CudaDenseLinear(LinearMethod):
         self._major: dict[int, int] = {}  # device index -> compute capability major
 
     def _gemv_rows(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self.gemv_rows(x, layer.weight, bias)
+
+    def gemv_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x`` as the kernel's [m, k] rows where :func:`dense_takes_gemv` says so, else None."""
         k = x.shape[-1]
         if not (x.is_cuda and x.numel() <= DENSE_GEMV_ROWS * k):
@@ -114,7 +117,7 @@ class CudaDenseLinear(LinearMethod):
         if major is None:
             major = self._major[x.device.index] = torch.cuda.get_device_capability(x.device)[0]
         x2 = x.reshape(-1, k)
-        if dense_takes_gemv(x2.shape[0], k, x.dtype, bias is not None, major) and gemv_fits(x2, layer.weight):
+        if dense_takes_gemv(x2.shape[0], k, x.dtype, bias is not None, major) and gemv_fits(x2, weight):
             return x2
         return None
 
@@ -140,3 +143,18 @@ class CudaDenseLinear(LinearMethod):
 
 CUDA_DENSE = CudaDenseLinear()
 """The CUDA platform's dense method (shared; it caches each device's compute capability)."""
+
+
+LM_HEAD_GEMV = False
+"""Whether the CUDA platform's ``lm_head`` op sends what :func:`dense_takes_gemv` takes (1-2
+rows) through the kernel. Off: written in session 18 and not yet measured in the engine (the
+H200's isolated figure, 239 against cuBLAS's 249 us, is docs/benchmarks/cuda_gemv.md's)."""
+
+
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`core.ops.lm_head` (the product in the inputs' dtype, returned as float32), through
+    the kernel where :data:`LM_HEAD_GEMV` and the dense method's routing allow."""
+    x2 = CUDA_DENSE.gemv_rows(hidden, weight, None) if LM_HEAD_GEMV and hidden.dim() == 2 else None
+    if x2 is None:
+        return F.linear(hidden, weight).float()
+    return gemv(x2, weight).float()

@@ -15,6 +15,7 @@ import torch
 
 from core import ops as reference
 from platforms.cuda.build import load_ops
+from platforms.cuda.gemv import lm_head
 from platforms.cuda.moe import fused_moe
 from platforms.cuda.sampling import CudaSamplingKernel
 
@@ -115,5 +116,6 @@ def cuda_ops() -> dict[str, Callable[..., Any]]:
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
         "fused_moe": fused_moe,
+        "lm_head": lm_head,
         "sampling_kernel": CudaSamplingKernel(),
     }

@@ -221,3 +221,27 @@ def test_gemv_waits_for_the_kernel_that_writes_x(m):
         xf = x_in.float()
         xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float()).to(dtype)
         _check(y, xn, layer.weight)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_the_lm_head_op_takes_the_kernel_when_switched_on(monkeypatch, rows):
+    """platforms.cuda.ops' lm_head: float32 logits; with LM_HEAD_GEMV on, 1-2 bf16 rows are
+    exactly the kernel's product (on Hopper or newer), 3 rows exactly cuBLAS's; off, cuBLAS's
+    for every row count.
+    Both agree with the float64 product."""
+    import platforms.cuda.gemv as gemv_mod
+    from platforms.cuda.ops import cuda_ops
+
+    lm_head = cuda_ops()["lm_head"]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    hidden = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(32000 + 8, 4096, device="cuda", generator=g) / 64).bfloat16()
+    cublas = torch.nn.functional.linear(hidden, weight).float()
+    monkeypatch.setattr(gemv_mod, "LM_HEAD_GEMV", False)
+    assert torch.equal(lm_head(hidden, weight), cublas)
+    monkeypatch.setattr(gemv_mod, "LM_HEAD_GEMV", True)
+    got = lm_head(hidden, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, 32008)
+    kernel = rows <= 2 and torch.cuda.get_device_capability()[0] >= 9
+    assert torch.equal(got, gemv_mod.gemv(hidden, weight).float() if kernel else cublas)
+    _check(got.bfloat16(), hidden, weight)
