@@ -15,6 +15,7 @@ the kept-quantized loading path.
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -170,6 +171,11 @@ class QuantizeOnLoad(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.inner.apply(layer, x, bias)
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+    ) -> torch.Tensor:
+        return self.inner.apply_silu_and_mul(layer, x, bias, silu_and_mul)
 
 
 def linear_method_for(platform: Platform, model: ModelConfig, dtype: torch.dtype) -> LinearMethod:

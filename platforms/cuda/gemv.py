@@ -133,9 +133,12 @@ class CudaDenseLinear(LinearMethod):
     ) -> torch.Tensor:
         """Where the kernel takes the gate/up projection, SiLU-and-mul runs in its epilogue
         (:func:`gemv_silu_and_mul`: the values of the kernel followed by the platform's
-        ``silu_and_mul``, one kernel fewer a layer); else the two ops."""
+        ``silu_and_mul``, one kernel fewer a layer; the op it is given is then not called);
+        else the two ops."""
         x2 = self._gemv_rows(layer, x, bias)
-        if x2 is None:
+        if x2 is None or (layer.weight.shape[0] // 2) % (16 // x.element_size()) != 0:
+            # Fused only where the platform's silu_and_mul would run its kernel (whole 16-byte
+            # vectors a row), whose values the epilogue reproduces.
             return silu_and_mul(self.apply(layer, x, bias))
         y = gemv_silu_and_mul(x2, layer.weight)
         return y.view(*x.shape[:-1], y.shape[-1])

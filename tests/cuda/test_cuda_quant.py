@@ -496,6 +496,10 @@ class _PrefillActivationsInFp8:
             x = _fp8_activations(rows.float(), 128).to(x.dtype).view(x.shape)
         return self.inner.apply(layer, x, bias)
 
+    def apply_silu_and_mul(self, layer, x, bias, silu_and_mul):
+        # Not the inner method's (reached through __getattr__), which would skip apply above.
+        return silu_and_mul(self.apply(layer, x, bias))
+
 
 def _llm(path, platform, fp8_prefill_reference=False, **kw):
     from core import LLM

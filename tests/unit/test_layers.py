@@ -335,3 +335,20 @@ def test_load_checkpoint_reports_missing_shard_unknown_name_and_bad_shape():
     bad = [(n, rand(5) if n == "norm.weight" else t) for n, t in _ckpt()]
     with pytest.raises(ValueError, match=r"shape \(5,\) but the model expects \(4,\)"):
         load_checkpoint(_Tiny(), bad, STACKED)
+
+
+def test_quantize_on_load_hands_silu_and_mul_to_its_inner_method():
+    """`--quantization` run dequantized (QuantizeOnLoad) keeps the platform method's own
+    apply_silu_and_mul (the CUDA dense method fuses it), not the base class's two ops."""
+    from core.models.layers import LinearMethod
+    from core.quantization.linear import QuantizeOnLoad
+
+    class Inner(LinearMethod):
+        name = "inner"
+
+        def apply_silu_and_mul(self, layer, x, bias, silu_and_mul):
+            return ("inner", x)
+
+    x = rand(2, 8)
+    method = QuantizeOnLoad(Inner(), quant=types.SimpleNamespace(name="q"))
+    assert method.apply_silu_and_mul(None, x, None, None) == ("inner", x)
