@@ -6,6 +6,8 @@
 # (decode_timeline.py); this tree also runs the decode-path kernel tests first. The engine needs
 # the wheels of .whl/ (docs/benchmarks/cuda_wheels.sh) on the device: carry .base and .whl.
 #   OUT=/tmp/ab bash docs/benchmarks/ab_decode.sh
+# NEW_STEPS: this tree's cuda_e2e.sh steps (default "build test_decode latency"; e.g. add
+# test_sampler or test_gemv for a change there).
 # Everything lands in $OUT/ab.tgz; the summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/ab}
@@ -13,7 +15,7 @@ export TIMELINE_BATCHES=${TIMELINE_BATCHES:-1}
 cp docs/benchmarks/cuda_e2e.sh docs/benchmarks/decode_timeline.py .base/docs/benchmarks/
 [ -d .whl ] && ln -sfn ../.whl .base/.whl
 (cd .base && OUT=$OUT/base DEADLINE=${BASE_S:-140} bash docs/benchmarks/cuda_e2e.sh build latency)
-OUT=$OUT/new DEADLINE=${NEW_S:-300} bash docs/benchmarks/cuda_e2e.sh build test_decode latency
+OUT=$OUT/new DEADLINE=${NEW_S:-300} bash docs/benchmarks/cuda_e2e.sh ${NEW_STEPS:-build test_decode latency}
 (cd .base && OUT=$OUT/base_t DEADLINE=${TL_S:-100} bash docs/benchmarks/cuda_e2e.sh timeline)
 OUT=$OUT/new_t DEADLINE=${TL_S:-100} bash docs/benchmarks/cuda_e2e.sh timeline
 tar czf "$OUT/ab.tgz" -C "$OUT" base new base_t new_t

@@ -84,6 +84,8 @@ opt test_decode 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cud
   tests/cuda/test_cuda_fused_ops.py tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_gemma.py \
   tests/cuda/test_cuda_kv_fp8.py tests/cuda/test_cuda_cache_ops.py tests/cuda/test_cuda_graphs_compile.py \
   tests/cuda/test_cuda_mixed_graphs.py tests/cuda/test_cuda_engine_graphs.py tests/cuda/test_cuda_async_scheduling.py
+opt test_sampler 200 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_sampler.py
+opt test_gemv 120 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemv.py tests/cuda/test_cuda_quant.py
 # Variants (run only when named): greedy sampling; more concurrent sequences; step split.
 opt latency_greedy 150 python3 -m core.entrypoints.cli bench latency $ENGINE --input-len 128 \
   --output-len 256 --num-iters 3 --greedy --output-json "$RES/latency_greedy.json"
