@@ -97,6 +97,14 @@ def dense_takes_gemv(rows: int, k: int, dtype: torch.dtype, has_bias: bool, majo
             and dtype in (torch.float16, torch.bfloat16))
 
 
+def _platform_op(name: str) -> Callable:
+    """This platform's own implementation of op ``name`` (platforms/cuda/ops.py, which imports
+    this module)."""
+    from platforms.cuda import ops
+
+    return getattr(ops, name)
+
+
 class CudaDenseLinear(LinearMethod):
     """The dense format on CUDA: ``x @ W.T`` through :func:`gemv` where
     :func:`dense_takes_gemv` says so, else cuBLAS (``F.linear``). fp32 keeps cuBLAS everywhere
@@ -133,12 +141,14 @@ class CudaDenseLinear(LinearMethod):
     ) -> torch.Tensor:
         """Where the kernel takes the gate/up projection, SiLU-and-mul runs in its epilogue
         (:func:`gemv_silu_and_mul`: the values of the kernel followed by the platform's
-        ``silu_and_mul``, one kernel fewer a layer; the op it is given is then not called);
-        else the two ops."""
+        ``silu_and_mul``, one kernel fewer a layer) when the op it is given is that op; else
+        the two ops."""
         x2 = self._gemv_rows(layer, x, bias)
-        if x2 is None or (layer.weight.shape[0] // 2) % (16 // x.element_size()) != 0:
-            # Fused only where the platform's silu_and_mul would run its kernel (whole 16-byte
-            # vectors a row), whose values the epilogue reproduces.
+        if (x2 is None or silu_and_mul is not _platform_op("silu_and_mul")
+                or (layer.weight.shape[0] // 2) % (16 // x.element_size()) != 0):
+            # Fused only in place of this platform's own silu_and_mul (a plugin's override
+            # through core_op_overrides is called as given) and where that op would run its
+            # kernel (whole 16-byte vectors a row), whose values the epilogue reproduces.
             return silu_and_mul(self.apply(layer, x, bias))
         y = gemv_silu_and_mul(x2, layer.weight)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -169,28 +169,36 @@ def test_the_dense_method_takes_the_kernel_for_one_or_two_rows(dtype, m, k):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_the_dense_method_fuses_silu_and_mul_where_it_takes_the_kernel(dtype, m):
+def test_the_dense_method_fuses_silu_and_mul_where_it_takes_the_kernel(monkeypatch, dtype, m):
     """CudaDenseLinear.apply_silu_and_mul through a model's merged gate/up layer: where the
-    method takes the kernel (1-2 bf16 rows on Hopper or newer), the fused epilogue; else
-    cuBLAS then the op it is given. Either way exactly its apply() followed by the platform's
-    silu_and_mul, leading dims kept; a bias goes to cuBLAS."""
+    method takes the kernel (1-2 bf16 rows on Hopper or newer) and it is given the platform's
+    own silu_and_mul, the fused epilogue; else cuBLAS or the kernel, then the op it is given
+    (a plugin's override is called, never bypassed). Either way exactly its apply() followed
+    by the platform's silu_and_mul, leading dims kept; a bias goes to cuBLAS."""
+    import platforms.cuda.gemv as gemv_mod
     from platforms.cuda.gemv import CUDA_DENSE
     from platforms.cuda.ops import silu_and_mul
 
+    fused_calls = []
+    real = gemv_mod.gemv_silu_and_mul
+    monkeypatch.setattr(gemv_mod, "gemv_silu_and_mul", lambda *a: fused_calls.append(1) or real(*a))
     g = torch.Generator(device="cuda").manual_seed(11 * m)
     d, k = 1024, 4096
     layer = _layer(2 * d, k, dtype, g)
     x = torch.randn(m, 1, k, device="cuda", generator=g).to(dtype)
-    calls = []
-    got = CUDA_DENSE.apply_silu_and_mul(layer, x, None, lambda y: calls.append(1) or silu_and_mul(y))
+    unfused = silu_and_mul(CUDA_DENSE.apply(layer, x, None))
+    got = CUDA_DENSE.apply_silu_and_mul(layer, x, None, silu_and_mul)
     assert got.shape == (m, 1, d)
-    assert torch.equal(got, silu_and_mul(CUDA_DENSE.apply(layer, x, None)))
+    assert torch.equal(got, unfused)
     fused = dtype == torch.bfloat16 and m <= 2 and torch.cuda.get_device_capability()[0] >= 9
-    assert calls == ([] if fused else [1])
-    calls.clear()
+    assert fused_calls == ([1] if fused else [])
+    override = []  # a plugin's silu_and_mul: called, not fused away
+    got = CUDA_DENSE.apply_silu_and_mul(layer, x, None, lambda y: override.append(1) or silu_and_mul(y))
+    assert override == [1] and fused_calls == ([1] if fused else []) and torch.equal(got, unfused)
+    override.clear()
     bias = torch.randn(2 * d, device="cuda", generator=g).to(dtype)
-    with_bias = CUDA_DENSE.apply_silu_and_mul(layer, x, bias, lambda y: calls.append(1) or silu_and_mul(y))
-    assert calls == [1]
+    with_bias = CUDA_DENSE.apply_silu_and_mul(layer, x, bias, lambda y: override.append(1) or silu_and_mul(y))
+    assert override == [1]
     assert torch.equal(with_bias, silu_and_mul(torch.nn.functional.linear(x, layer.weight, bias)))
 
 
