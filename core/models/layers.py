@@ -320,7 +320,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable) -> torch.Tensor:
         """``silu_and_mul(self(x))`` of a ``[gate, up]`` pair through the format's
         :meth:`LinearMethod.apply_silu_and_mul` (which may fuse the two)."""
-        if len(self.sizes_per_rank) != 2 or self.sizes_per_rank[0] != self.sizes_per_rank[1] or self.gather_output:
+        if len(self.sizes_per_rank) != 2 or self.sizes_per_rank[0] != self.sizes_per_rank[1]:
             raise ValueError(f"silu_and_mul needs a merged layer of two equal outputs, not {self.sizes_per_rank}")
         return self.linear_method.apply_silu_and_mul(self, x, self.bias, silu_and_mul)
 

@@ -212,7 +212,7 @@ class CudaPagedAttention(AttentionBackend):
         alive: a graph captured with it replays on its address."""
         counts = self._part_counts
         if counts is None or counts.numel() < needed or counts.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return {}
             if counts is not None:  # graphs captured before may hold its address: keep it
                 self._retired_counts.append(counts)

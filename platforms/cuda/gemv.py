@@ -113,9 +113,6 @@ class CudaDenseLinear(LinearMethod):
     def __init__(self):
         self._major: dict[int, int] = {}  # device index -> compute capability major
 
-    def _gemv_rows(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return self.gemv_rows(x, layer.weight, bias)
-
     def gemv_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x`` as the kernel's [m, k] rows where :func:`dense_takes_gemv` says so, else None."""
         k = x.shape[-1]
@@ -130,7 +127,7 @@ class CudaDenseLinear(LinearMethod):
         return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = self._gemv_rows(layer, x, bias)
+        x2 = self.gemv_rows(x, layer.weight, bias)
         if x2 is None:
             return F.linear(x, layer.weight, bias)
         y = gemv(x2, layer.weight)
@@ -143,7 +140,7 @@ class CudaDenseLinear(LinearMethod):
         (:func:`gemv_silu_and_mul`: the values of the kernel followed by the platform's
         ``silu_and_mul``, one kernel fewer a layer) when the op it is given is that op; else
         the two ops."""
-        x2 = self._gemv_rows(layer, x, bias)
+        x2 = self.gemv_rows(x, layer.weight, bias)
         if (x2 is None or silu_and_mul is not _platform_op("silu_and_mul")
                 or (layer.weight.shape[0] // 2) % (16 // x.element_size()) != 0):
             # Fused only in place of this platform's own silu_and_mul (a plugin's override
