@@ -337,6 +337,16 @@ __device__ __forceinline__ float load_cg(const float* p) {
 #endif
 }
 
+__device__ __forceinline__ unsigned long long load_cg(const unsigned long long* p) {
+#ifdef USE_ROCM
+  unsigned long long r;
+  __atomic_load(p, &r, __ATOMIC_RELAXED);
+  return r;
+#else
+  return __ldcg(p);
+#endif
+}
+
 // ---- weight prefetch before the dependency wait -------------------------------------------
 // A decode GEMV launched with launch_dependent is resident while the kernel before it (a norm,
 // SiLU-and-mul, the attention's reduce: a few microseconds in which HBM is otherwise idle)

@@ -24,6 +24,17 @@
 // multiple of 4, so 16-byte loads), which keeps the per-thread partial sums in vocabulary
 // order: the draw scans T partial sums, then walks one chunk.
 //
+// Split rows: a launch may give each row several blocks (SampleArgs::splits). Rows with nothing
+// to filter or edit (greedy, or plain temperature: no top-k / top-p / min-p, no edits, no
+// penalty state) are then shared: block g makes the first pass over the slice [g * S, (g + 1) * S)
+// of the vocabulary, stores its statistics, and the row's last block to finish merges them (in
+// a fixed order) and draws in two levels, the block whose mass interval holds u * total and,
+// within its slice, the chunk and the token, as one block does over the whole row. A lone
+// block is latency-bound (one SM walking 128k logits: ~0.1 ms on an H200 for one row), which
+// dominates at small batches. Other rows are sampled by their block 0 alone. The interface of
+// a block grows fence() (the GPU's __threadfence) and load_fresh(p) (a load from L2, past the
+// SM's non-coherent L1) for the hand-over.
+//
 // Exact cut-offs without a sort of the row: a histogram pass over log2(1 + (max - z)) (exact
 // counts, 2^-40 fixed-point masses, so the result does not depend on atomic order) finds the
 // bin holding the top-k / top-p boundary; the tokens of that bin and above are collected
@@ -64,6 +75,8 @@ enum EditField { kEditToken = 0, kEditCount, kEditFlags, kEditBias, kEditFields 
 enum EditFlag { kEditMask = 1, kEditRepeat = 2 };
 constexpr int32_t kStateCount = (1 << 30) - 1;  // output-count bits of a penalty-state word
 
+struct Stats;
+
 struct SampleArgs {
   const float* logits;     // [rows, ld] float32, the first `vocab` columns are sampled
   int64_t ld;              // row stride in elements
@@ -77,7 +90,15 @@ struct SampleArgs {
   int64_t* tokens;         // [rows] out
   float* logprobs;         // [rows] out: raw logprob of the token
   float* lse;              // [rows] out: logsumexp of the raw row
+  int splits;              // blocks per row (>= 1, at most the block's threads; see above)
+  Stats* part;             // [rows * splits] the blocks' first-pass statistics (splits > 1)
+  unsigned* arrivals;      // [rows] the row's blocks done so far: zero before and after a launch
 };
+
+// Vocabulary entries of one split block's slice: a multiple of 4 (16-byte aligned slices).
+CORE_SAMPLE_HD int split_len(int vocab, int splits) {
+  return ((vocab + splits - 1) / splits + 3) / 4 * 4;
+}
 
 // ---- small helpers -----------------------------------------------------------------------
 CORE_SAMPLE_FN int imin(int a, int b) { return a < b ? a : b; }
@@ -160,6 +181,8 @@ struct Stats {
   Online raw, z;
   Best braw, bz;
 };
+
+static_assert(sizeof(Stats) == 48, "platforms/cuda/sampling.py sizes the split workspace with this");
 
 CORE_SAMPLE_FN Stats stats_merge(Stats a, const Stats& b) {
   a.raw = online_merge(a.raw, b.raw);
@@ -408,28 +431,37 @@ struct RowSampler {
   CORE_SAMPLE_FN const float* mine() const { return r.raw + static_cast<int64_t>(b.tid) * r.chunk; }
   CORE_SAMPLE_FN int my_edit() const { return w.edit_start[b.tid]; }
 
-  // Draws by inverse CDF from per-thread chunk weights (vocabulary order); the owner
-  // chunk is walked again with weights exp(z - zmax) for z >= cut.
-  CORE_SAMPLE_FN int draw_chunks(double weight, float cut) {
+  // The thread whose interval of the weights' running sum (thread order) holds the target
+  // (given, or u times the weights' total, returned in target); base: that interval's start.
+  // Where rounding put the target past the end, the last thread with weight.
+  CORE_SAMPLE_FN int pick(double weight, bool given, double& target, double& base) {
     double excl, incl, total;
     scan_values(b, weight, w.scratch, excl, incl, total);
-    const double target = u * total;
-    // The chunk whose interval holds the target (a reduction, so ties cannot race); where
-    // rounding put the target past the end, the last chunk with weight.
+    if (!given) target = u * total;
+    // A reduction, so ties cannot race.
     int owner = block_max_int(b, weight > 0.0 && excl <= target && target < incl ? b.tid : -1,
                               w.scratch);
     if (owner < 0) owner = block_max_int(b, weight > 0.0 ? b.tid : -1, w.scratch);
     if (owner < 0) owner = 0;
     if (b.tid == owner) w.bc->base = excl;
     b.sync();
-    const int begin = owner * r.chunk;
-    const int len = imin(r.chunk, r.vocab - begin);
-    for (int j = b.tid; j < len; j += b.n) w.chunk[j] = r.raw[begin + j];
+    base = w.bc->base;
+    b.sync();
+    return owner;
+  }
+
+  // Thread 0 walks chunk `owner` of row rr (copied to shared memory first) with weights
+  // exp(z - zmax) for z >= cut, from the running sum base, to the token at target (an index
+  // into rr).
+  CORE_SAMPLE_FN int walk_owner(const Row& rr, int owner, double base, double target, float cut) {
+    const int begin = owner * rr.chunk;
+    const int len = imin(rr.chunk, rr.vocab - begin);
+    for (int j = b.tid; j < len; j += b.n) w.chunk[j] = rr.raw[begin + j];
     b.sync();
     if (b.tid == 0) {
-      double cum = w.bc->base;
+      double cum = base;
       int pick = -1, last = -1;
-      walk(r, owner, w.edit_start[owner], w.chunk, true, [&](int i, float, float z) {
+      walk(rr, owner, w.edit_start[owner], w.chunk, true, [&](int i, float, float z) {
         const float wz = z >= cut ? expf(z - zmax) : 0.f;
         if (pick >= 0 || wz <= 0.f) return;
         last = i;
@@ -440,6 +472,14 @@ struct RowSampler {
     }
     b.sync();
     return w.bc->token;
+  }
+
+  // Draws by inverse CDF from per-thread chunk weights (vocabulary order); the owner
+  // chunk is walked again with weights exp(z - zmax) for z >= cut.
+  CORE_SAMPLE_FN int draw_chunks(double weight, float cut) {
+    double target = 0.0, base = 0.0;
+    const int owner = pick(weight, false, target, base);
+    return walk_owner(r, owner, base, target, cut);
   }
 
   // A pass summing exp(z - zmax) over z >= cut per chunk, then the draw.
@@ -622,9 +662,107 @@ struct RowSampler {
   }
 };
 
-// The whole row; every thread of the block calls it. `smem` has Workspace::bytes().
+// Pass 1 over thread t's chunk of r: raw logsumexp and argmax, max and mass of z (token
+// indices shifted by `offset`, where r is a slice of the row).
 template <class Blk>
-CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned char* smem) {
+CORE_SAMPLE_FN Stats first_pass(Blk& b, const Row& r, int edit, int offset) {
+  const bool z_is_raw = !r.scaled && r.nedits == 0 && !r.state;
+  Stats mine{{-INFINITY, 0.0}, {-INFINITY, 0.0}, {-INFINITY, INT_MAX}, {-INFINITY, INT_MAX}};
+  walk(r, b.tid, edit, r.raw + static_cast<int64_t>(b.tid) * r.chunk, r.vec4,
+       [&](int i, float x, float z) {
+         i += offset;
+         online_add(mine.raw, x);
+         if (raw_before(x, i, mine.braw)) mine.braw = Best{x, i};
+         if (z_is_raw) return;
+         online_add(mine.z, z);
+         if (z_before(z, i, mine.bz)) mine.bz = Best{z, i};
+       });
+  if (z_is_raw) mine.z = mine.raw;
+  return mine;
+}
+
+template <class Blk>
+CORE_SAMPLE_FN Stats block_stats(Blk& b, const Workspace& w, const Stats& mine) {
+  return block_reduce(b, mine, reinterpret_cast<Stats*>(w.arena),
+                      [](Stats x, const Stats& y) { return stats_merge(x, y); });
+}
+
+CORE_SAMPLE_FN float lse_of(const Stats& all) {
+  return all.raw.m == -INFINITY ? -INFINITY : all.raw.m + static_cast<float>(log(all.raw.s));
+}
+
+// Whether z has usable weights (no infinite logit, some mass).
+CORE_SAMPLE_FN bool drawable(const Stats& all) {
+  return all.z.m > -INFINITY && all.z.m < INFINITY && all.z.s > 0.0 && all.z.s < INFINITY;
+}
+
+// Slice g of a split row: S entries from g * S (fewer, or none, at the end), chunked over the
+// block's threads like a row.
+CORE_SAMPLE_FN Row slice_of(const Row& r, int g, int len, int threads) {
+  Row s = r;
+  const int lo = imin(g * len, r.vocab);
+  s.raw = r.raw + lo;
+  s.vocab = imin(len, r.vocab - lo);
+  s.chunk = ((len + threads - 1) / threads + 3) / 4 * 4;
+  return s;
+}
+
+// Block g of a split row (greedy or plain temperature; see the header). Every thread of the
+// block calls it; all but the row's last block return after storing their statistics.
+template <class Blk>
+CORE_SAMPLE_FN void split_row(Blk& b, const SampleArgs& a, int row, int g, const Workspace& w,
+                              const Row& r, bool greedy, double u) {
+  const int len = split_len(a.vocab, a.splits);
+  const Row mine_slice = slice_of(r, g, len, b.n);
+  const Stats blk = block_stats(b, w, first_pass(b, mine_slice, 0, imin(g * len, r.vocab)));
+  Stats* part = a.part + static_cast<int64_t>(row) * a.splits;
+  if (b.tid == 0) {
+    part[g] = blk;
+    b.fence();  // the statistics are visible before the arrival is counted
+    w.bc->owner = b.atomic_add(&a.arrivals[row], 1u) == static_cast<unsigned>(a.splits - 1);
+  }
+  b.sync();
+  const bool last = w.bc->owner != 0;
+  b.sync();
+  if (!last) return;
+  b.fence();  // the other blocks' statistics, counted before this block's arrival
+  // Thread t < splits holds block t's statistics; the reduction's order is fixed.
+  const Stats none{{-INFINITY, 0.0}, {-INFINITY, 0.0}, {-INFINITY, INT_MAX}, {-INFINITY, INT_MAX}};
+  const Stats held = b.tid < a.splits ? b.load_fresh(part + b.tid) : none;
+  const Stats all = block_stats(b, w, held);
+  if (b.tid == 0) a.arrivals[row] = 0;  // for the next launch
+  const float lse = lse_of(all);
+  int token;
+  if (greedy || !drawable(all)) {
+    token = all.braw.i;  // nothing edits the row: the raw argmax
+  } else {
+    const float zmax = all.z.m;
+    RowSampler<Blk> s{b, w, r, zmax, u};
+    // Level 1: the block whose share of the mass holds u * total.
+    const double share = held.z.m == -INFINITY ? 0.0 : held.z.s * static_cast<double>(expf(held.z.m - zmax));
+    double target = 0.0, base = 0.0;
+    const int owner_block = s.pick(share, false, target, base);
+    // Level 2: within that block's slice, the chunk, then the token.
+    const Row sl = slice_of(r, owner_block, len, b.n);
+    double weight = 0.0;
+    walk(sl, b.tid, 0, sl.raw + static_cast<int64_t>(b.tid) * sl.chunk, sl.vec4,
+         [&](int, float, float z) { weight += static_cast<double>(expf(z - zmax)); });
+    double rest = target - base, chunk_base = 0.0;
+    const int owner = s.pick(weight, true, rest, chunk_base);
+    token = imin(owner_block * len, r.vocab) + s.walk_owner(sl, owner, chunk_base, rest, -INFINITY);
+  }
+  if (b.tid == 0) {
+    a.tokens[row] = token;
+    a.logprobs[row] = r.raw[token] - lse;
+    a.lse[row] = lse;
+  }
+}
+
+// The whole row; every thread of the block calls it. `smem` has Workspace::bytes(). kSplit:
+// the launch gives each row a.splits blocks and `part` is this one's index (see split_row);
+// a separate instantiation, so the one-block kernel keeps its registers.
+template <bool kSplit, class Blk>
+CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned char* smem, int part) {
   const Workspace w = Workspace::carve(smem, b.n);
   const double* f = a.rowf + static_cast<int64_t>(row) * kRowF;
   const int32_t* ip = a.rowi + static_cast<int64_t>(row) * kRowI;
@@ -643,6 +781,20 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
   r.nedits = ip[kEditEnd] - ip[kEditBegin];
   r.state = a.state && ip[kPenaltyRow] >= 0
                 ? a.state + static_cast<int64_t>(ip[kPenaltyRow]) * a.state_ld : nullptr;
+  const int k = ip[kTopK];
+  const float top_p = static_cast<float>(f[kTopP]);
+  const float min_p = static_cast<float>(f[kMinP]);
+
+  if constexpr (kSplit) {  // uniform per block: every thread reads the same row parameters
+    const bool plain = r.nedits == 0 && !r.state && (greedy || (k <= 0 && top_p >= 1.f && !(min_p > 0.f)));
+    if (plain) {
+      w.edit_start[b.tid] = 0;
+      b.sync();
+      split_row(b, a, row, part, w, r, greedy, f[kUniform]);
+      return;
+    }
+    if (part != 0) return;  // block 0 samples the row alone
+  }
 
   // Each thread's first edit: binary search of the row's sorted tokens.
   {
@@ -657,34 +809,19 @@ CORE_SAMPLE_FN void sample_row(Blk& b, const SampleArgs& a, int row, unsigned ch
   b.sync();
 
   // Pass 1: raw logsumexp and argmax, max and mass of z, per thread and for the row.
-  const bool z_is_raw = !r.scaled && r.nedits == 0 && !r.state;
-  Stats mine{{-INFINITY, 0.0}, {-INFINITY, 0.0}, {-INFINITY, INT_MAX}, {-INFINITY, INT_MAX}};
-  walk(r, b.tid, w.edit_start[b.tid], r.raw + static_cast<int64_t>(b.tid) * r.chunk, r.vec4,
-       [&](int i, float x, float z) {
-         online_add(mine.raw, x);
-         if (raw_before(x, i, mine.braw)) mine.braw = Best{x, i};
-         if (z_is_raw) return;
-         online_add(mine.z, z);
-         if (z_before(z, i, mine.bz)) mine.bz = Best{z, i};
-       });
-  if (z_is_raw) mine.z = mine.raw;
-  const Stats all = block_reduce(b, mine, reinterpret_cast<Stats*>(w.arena),
-                                 [](Stats x, const Stats& y) { return stats_merge(x, y); });
-  const float lse = all.raw.m == -INFINITY ? -INFINITY
-                                            : all.raw.m + static_cast<float>(log(all.raw.s));
+  const Stats mine = first_pass(b, r, w.edit_start[b.tid], 0);
+  const Stats all = block_stats(b, w, mine);
+  const float lse = lse_of(all);
 
   int token;
   const float zmax = all.z.m;
   const double zsum = all.z.s;
   if (greedy) {
     token = (r.nedits || r.state) ? all.bz.i : all.braw.i;
-  } else if (!(zmax > -INFINITY && zmax < INFINITY && zsum > 0.0 && zsum < INFINITY)) {
+  } else if (!drawable(all)) {
     token = all.braw.i;  // no usable weights (an infinite logit): the raw argmax, where it sits
   } else {
     RowSampler<Blk> s{b, w, r, zmax, f[kUniform]};
-    const int k = ip[kTopK];
-    const float top_p = static_cast<float>(f[kTopP]);
-    const float min_p = static_cast<float>(f[kMinP]);
     float cut = min_p > 0.f ? zmax + logf(min_p) : -INFINITY;
     if (k <= 0 && top_p >= 1.f) {
       if (min_p > 0.f) {

@@ -36,7 +36,8 @@ void check(const at::Tensor& t, const char* what, at::ScalarType dtype, int64_t 
 
 void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
                  const at::Tensor& logits, const at::Tensor& rowf, const at::Tensor& rowi,
-                 const at::Tensor& edits, const at::Tensor& state, int64_t vocab) {
+                 const at::Tensor& edits, const at::Tensor& state, int64_t vocab, int64_t splits,
+                 const c10::optional<at::Tensor>& part, const c10::optional<at::Tensor>& arrivals) {
   TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "core_C.sample_rows: logits " + shape(logits) +
@@ -62,8 +63,36 @@ void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
                 "core_C.sample_rows: state " + shape(state) + " needs a row width >= vocab " +
                     std::to_string(vocab) + " that is a multiple of 4, 16-byte aligned");
   }
+  // Split rows: a workspace of sizeof(Stats) bytes per block and zeroed int32 arrival counts
+  // the kernel leaves at zero (the caller keeps and reuses both).
+  TORCH_CHECK(splits >= 1 && splits <= core_kernels::kSampleThreads,
+              "core_C.sample_rows: splits " + std::to_string(splits) + " must be in [1, " +
+                  std::to_string(core_kernels::kSampleThreads) + "] (blocks per row)");
+  TORCH_CHECK(rows * splits < (int64_t{1} << 31), "core_C.sample_rows: rows x splits must be below 2^31");
+#ifdef USE_ROCM
+  TORCH_CHECK(splits == 1, "core_C.sample_rows: splits " + std::to_string(splits) +
+                               " > 1 is not built for ROCm (csrc/sampling/sampling.cu); pass 1");
+#endif
+  if (splits > 1) {
+    const int64_t need = rows * splits * static_cast<int64_t>(sizeof(core_sampling::Stats));
+    TORCH_CHECK(part.has_value() && part->device() == logits.device() && part->is_contiguous() &&
+                    part->numel() * part->element_size() >= need &&
+                    reinterpret_cast<uintptr_t>(part->data_ptr()) % 8 == 0,
+                "core_C.sample_rows: splits " + std::to_string(splits) + " needs part, a contiguous " +
+                    "8-byte aligned tensor of at least " + std::to_string(need) +
+                    " bytes on the logits' device");
+    TORCH_CHECK(arrivals.has_value() && arrivals->device() == logits.device() &&
+                    arrivals->scalar_type() == at::kInt && arrivals->is_contiguous() &&
+                    arrivals->numel() >= rows,
+                "core_C.sample_rows: splits " + std::to_string(splits) +
+                    " needs arrivals, a contiguous int32 tensor of at least " + std::to_string(rows) +
+                    " zeros on the logits' device");
+  }
   const c10::cuda::CUDAGuard guard(logits.device());
   core_sampling::SampleArgs a{};
+  a.splits = static_cast<int>(splits);
+  a.part = splits > 1 ? static_cast<core_sampling::Stats*>(part->data_ptr()) : nullptr;
+  a.arrivals = splits > 1 ? reinterpret_cast<unsigned*>(arrivals->data_ptr<int32_t>()) : nullptr;
   a.logits = logits.data_ptr<float>();
   a.ld = logits.stride(0);
   a.rows = static_cast<int>(rows);
@@ -85,7 +114,8 @@ void sample_rows(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
 
 void sample_rows_meta(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
                       const at::Tensor& logits, const at::Tensor& rowf, const at::Tensor& rowi,
-                      const at::Tensor& edits, const at::Tensor&, int64_t) {
+                      const at::Tensor& edits, const at::Tensor&, int64_t, int64_t,
+                      const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(logits.dim() == 2 && rowf.dim() == 2 && rowi.dim() == 2 && edits.dim() == 2 &&
                   tokens.dim() == 1 && logprobs.dim() == 1 && lse.dim() == 1,
               "core_C.sample_rows: expected 2-d logits/rowf/rowi/edits and 1-d outputs");
@@ -96,7 +126,8 @@ void sample_rows_meta(at::Tensor& tokens, at::Tensor& logprobs, at::Tensor& lse,
 TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def(
       "sample_rows(Tensor(a!) tokens, Tensor(b!) logprobs, Tensor(c!) lse, Tensor logits, "
-      "Tensor rowf, Tensor rowi, Tensor edits, Tensor state, int vocab) -> ()");
+      "Tensor rowf, Tensor rowi, Tensor edits, Tensor state, int vocab, int splits=1, "
+      "Tensor(d!)? part=None, Tensor(e!)? arrivals=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) { m.impl("sample_rows", &sample_rows); }

@@ -304,3 +304,53 @@ def test_kernel_seeded_rows_do_not_depend_on_the_batch() -> None:
         assert alone.token_ids[0] == mixed.token_ids[pos]
         tokens.append(alone.token_ids[0])
     assert len(set(tokens)) > 3
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 40])
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_small_batches_split_rows_across_blocks(batch: int, shape: str) -> None:
+    """Few rows at Llama-3's vocabulary: greedy and plain-temperature rows are split across
+    blocks (platforms/cuda/sampling.py splits_for), mixed with top-p and min-p rows that one
+    block samples alone. Tokens are the inverse-CDF tokens of the CPU's distribution (within
+    1e-5 of CDF), greedy rows exactly the argmax, logprobs torch's; the arrival counts are
+    left at zero for the next launch, which reuses them."""
+    from core.benchmarks.sampler import make_logits, make_rows
+    from platforms.cuda.sampling import splits_for
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert splits_for(batch, 128256, sms) > 1
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_p=0.9),
+              SamplingParams(temperature=1.0, min_p=0.05)]
+    logits = make_logits(batch, 128256, shape, seed=batch)
+    rows = make_rows(batch, 128256, lambda i: params[i % len(params)])
+    k = kernel()
+    for call in range(3):
+        out = Sampler(frozenset({0}), seed=9 + call, staging=PINNED, kernel=k)(logits.cuda(), rows)
+        assert assert_inverse_cdf_tokens(logits, rows, 9 + call, out.token_ids, frozenset({0})) <= 1
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        assert [out.token_ids[i] for i in greedy] == logits[greedy].argmax(dim=-1).tolist()
+        raw = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(out.logprobs), raw[:, 0], rtol=1e-5, atol=1e-4)
+        _, arrivals = k._work[torch.cuda.current_device()]
+        assert int(arrivals.abs().sum()) == 0
+
+
+def test_split_launch_refusals_name_the_fix() -> None:
+    from platforms.cuda.build import load_ops
+
+    ops = load_ops()
+    logits = torch.randn(2, 4096, device="cuda")
+    rowf = torch.zeros(2, 8, dtype=torch.float64, device="cuda")
+    rowi = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    edits = torch.zeros(0, 4, dtype=torch.int32, device="cuda")
+    state = torch.zeros(0, 4, dtype=torch.int32, device="cuda")
+    outs = (torch.empty(2, dtype=torch.int64, device="cuda"), torch.empty(2, device="cuda"),
+            torch.empty(2, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"splits 600 must be in \[1, 512\]"):
+        ops.sample_rows(*outs, logits, rowf, rowi, edits, state, 4096, 600)
+    with pytest.raises(RuntimeError, match="needs part, a contiguous 8-byte aligned tensor of at least 384 bytes"):
+        ops.sample_rows(*outs, logits, rowf, rowi, edits, state, 4096, 4)
+    part = torch.empty(48, dtype=torch.float64, device="cuda")
+    with pytest.raises(RuntimeError, match="needs arrivals, a contiguous int32 tensor of at least 2 zeros"):
+        ops.sample_rows(*outs, logits, rowf, rowi, edits, state, 4096, 4, part, None)

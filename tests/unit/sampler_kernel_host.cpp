@@ -33,6 +33,9 @@ struct HostBlock {
     *p = old + v;
     return old;
   }
+  void fence() {}  // one OS thread: every store is already visible
+  template <class T>
+  T load_fresh(const T* p) { return *p; }
 };
 
 struct Fibers {
@@ -41,7 +44,7 @@ struct Fibers {
   std::vector<std::vector<char>> stacks;
   std::vector<char> finished;
   const core_sampling::SampleArgs* args;
-  int row, n;
+  int row, n, part;
   unsigned char* smem;
 };
 
@@ -52,16 +55,21 @@ Fibers* g_fibers;  // makecontext passes int arguments only
 void fiber_main(int tid) {
   Fibers* f = g_fibers;
   HostBlock b{tid, f->n, f};
-  core_sampling::sample_row(b, *f->args, f->row, f->smem);
+  if (f->args->splits > 1) {
+    core_sampling::sample_row<true>(b, *f->args, f->row, f->smem, f->part);
+  } else {
+    core_sampling::sample_row<false>(b, *f->args, f->row, f->smem, 0);
+  }
   f->finished[tid] = 1;  // then uc_link returns to the scheduler
 }
 
-// Returns 0, or 2 when the fibers disagreed about a barrier.
-int run_row(const core_sampling::SampleArgs& a, int row, int n, unsigned char* smem,
-            uint64_t seed) {
+// Runs block `part` of row `row`. Returns 0, or 2 when the fibers disagreed about a barrier.
+int run_block(const core_sampling::SampleArgs& a, int row, int part, int n, unsigned char* smem,
+              uint64_t seed) {
   Fibers f;
   f.args = &a;
   f.row = row;
+  f.part = part;
   f.n = n;
   f.smem = smem;
   f.ctx.resize(n);
@@ -93,13 +101,21 @@ int run_row(const core_sampling::SampleArgs& a, int row, int n, unsigned char* s
   }
 }
 
+uint64_t lcg(uint64_t& seed) {
+  seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+  return seed >> 33;
+}
+
 }  // namespace
 
+// splits > 1: each row's blocks run one after another in a shuffled order (the GPU finishes
+// them in any order; whichever runs last merges). Returns 0; 1 bad arguments; 2 a divergent
+// barrier; 3 an arrival count not left at zero.
 extern "C" int sample_rows_host(const float* logits, int64_t ld, int rows, int vocab,
                                 const double* rowf, const int32_t* rowi, const int32_t* edits,
                                 const int32_t* state, int64_t state_ld, int64_t* tokens, float* logprobs, float* lse, int threads,
-                                uint64_t seed) {
-  if (threads <= 0 || (threads & (threads - 1)) != 0) return 1;
+                                uint64_t seed, int splits) {
+  if (threads <= 0 || (threads & (threads - 1)) != 0 || splits < 1 || splits > threads) return 1;
   core_sampling::SampleArgs a{};
   a.logits = logits;
   a.ld = ld;
@@ -114,13 +130,30 @@ extern "C" int sample_rows_host(const float* logits, int64_t ld, int rows, int v
   a.tokens = tokens;
   a.logprobs = logprobs;
   a.lse = lse;
+  std::vector<core_sampling::Stats> part(static_cast<size_t>(rows) * splits);
+  std::vector<unsigned> arrivals(rows, 0u);
+  a.splits = splits;
+  a.part = part.data();
+  a.arrivals = arrivals.data();
   const int chunk = ((vocab + threads - 1) / threads + 3) / 4 * 4;
   // 8-byte aligned (the workspace's widest field), like dynamic shared memory.
   std::vector<double> smem((core_sampling::Workspace::bytes(threads, chunk) + 7) / 8);
+  std::vector<int> order(splits);
   for (int row = 0; row < rows; ++row) {
-    const int rc = run_row(a, row, threads, reinterpret_cast<unsigned char*>(smem.data()),
-                           seed + static_cast<uint64_t>(row));
-    if (rc) return rc;
+    uint64_t s = seed + static_cast<uint64_t>(row);
+    for (int g = 0; g < splits; ++g) order[g] = g;
+    for (int g = splits - 1; g > 0; --g) {
+      const int j = static_cast<int>(lcg(s) % static_cast<uint64_t>(g + 1));
+      const int x = order[g];
+      order[g] = order[j];
+      order[j] = x;
+    }
+    for (int g : order) {
+      const int rc = run_block(a, row, g, threads, reinterpret_cast<unsigned char*>(smem.data()),
+                               s + static_cast<uint64_t>(g));
+      if (rc) return rc;
+    }
+    if (arrivals[row] != 0) return 3;
   }
   return 0;
 }

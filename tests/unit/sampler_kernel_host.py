@@ -49,14 +49,16 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 class HostKernel:
-    """The kernel on ``threads`` emulated threads per row (a power of 2); ``seed`` picks
-    the thread orders."""
+    """The kernel on ``threads`` emulated threads per block (a power of 2) and ``splits``
+    blocks per row (rows the kernel splits: greedy and plain temperature; the blocks run in a
+    shuffled order); ``seed`` picks the orders."""
 
     reads_penalty_state = True
 
-    def __init__(self, threads: int = 8, seed: int = 0):
+    def __init__(self, threads: int = 8, seed: int = 0, splits: int = 1):
         self.threads = threads
         self.seed = seed
+        self.splits = splits
         self.calls = 0
 
     def accepts(self, logits: torch.Tensor) -> bool:
@@ -78,8 +80,9 @@ class HostKernel:
             _ptr(logits), ctypes.c_int64(logits.stride(0)), rows, vocab, _ptr(rowf), _ptr(rowi),
             _ptr(edits) if edits.numel() else None, _ptr(state) if state.numel() else None,
             ctypes.c_int64(state.shape[1]), _ptr(tokens), _ptr(logprobs), _ptr(lse),
-            self.threads, ctypes.c_uint64(self.seed),
+            self.threads, ctypes.c_uint64(self.seed), self.splits,
         )
         assert rc != 2, "the kernel's threads disagreed about a barrier (divergent __syncthreads)"
+        assert rc != 3, "a split row's arrival count was not left at zero for the next launch"
         assert rc == 0, f"sample_rows_host returned {rc}"
         return tokens, logprobs, lse

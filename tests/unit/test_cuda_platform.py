@@ -172,3 +172,16 @@ def test_dense_weights_take_the_platforms_gemv_method_and_cpu_tensors_fall_back_
     x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
     bias = torch.randn(24, generator=gen).to(torch.bfloat16)
     assert torch.equal(method.apply(layer, x, bias), torch.nn.functional.linear(x, layer.weight, bias))
+
+
+def test_small_batches_split_sampler_rows_across_blocks():
+    """platforms/cuda/sampling.py splits_for: blocks per row for the fused sampler (at most
+    one block per SM over the launch, 32 a row, 2,048 vocabulary entries a block; one block
+    per row, the whole-row kernel, otherwise)."""
+    from platforms.cuda.sampling import splits_for
+
+    llama3, h100 = 128256, 132
+    assert [splits_for(r, llama3, h100) for r in (1, 4, 8, 16, 66, 67, 256)] == [32, 32, 16, 8, 2, 1, 1]
+    assert splits_for(1, 32000, h100) == 15      # 2,048 entries a block at least
+    assert splits_for(1, 3000, h100) == 1        # too small a vocabulary to share
+    assert splits_for(0, llama3, h100) == 1

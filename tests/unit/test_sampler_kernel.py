@@ -9,7 +9,7 @@ pipeline, so tokens must be identical (rounding could in principle move a bounda
 fixed cases have none) and logprobs equal to float32 rounding. Cases cover every path of
 the kernel: greedy, plain temperature, min-p, top-k / top-p from shared-memory
 candidates, and the exact bisection fallback (nuclei larger than the candidate buffer,
-boundaries beyond the histogram, heavy ties).
+boundaries beyond the histogram, heavy ties), and rows split across several blocks.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from tests.unit.test_sampler import chi_square, row
 from tests.unit.test_sampler_exact import EOS, _batch
 
 
-def _both(logits, rows, seed, threads, order_seed=0):
+def _both(logits, rows, seed, threads, order_seed=0, splits=1):
     want = Sampler(frozenset({EOS}), seed=seed)(logits, rows)
-    kernel = HostKernel(threads, order_seed)
+    kernel = HostKernel(threads, order_seed, splits)
     got = Sampler(frozenset({EOS}), seed=seed, kernel=kernel)(logits, rows)
     assert kernel.calls == 1
     return want, got
@@ -55,6 +55,30 @@ def test_kernel_samples_like_the_torch_pipeline_on_mixed_batches(threads: int) -
         logits, rows = _batch(seed)
         want, got = _both(logits, rows, seed, threads, order_seed=seed)
         _assert_same(want, got, f"batch seed {seed}")
+
+
+@pytest.mark.parametrize("threads,splits", [(4, 3), (8, 8), (32, 7)])
+def test_split_rows_sample_like_the_torch_pipeline_on_mixed_batches(threads: int, splits: int) -> None:
+    # The same batches with several blocks per row: greedy and plain-temperature rows are
+    # shared by the blocks (slices of 8 to 3000 tokens, some empty), the others sampled by
+    # block 0 alone; the blocks of a row finish in a shuffled order.
+    for seed in range(60):
+        logits, rows = _batch(seed)
+        want, got = _both(logits, rows, seed, threads, order_seed=seed, splits=splits)
+        _assert_same(want, got, f"batch seed {seed}, {splits} blocks a row")
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 13, 64, 1001])
+def test_split_rows_with_short_and_empty_slices(vocab: int) -> None:
+    """More blocks than the vocabulary has 4-token slices: trailing blocks see nothing."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, top_k=3)]
+    rows = [row(p, output_index=i) for i, p in enumerate(params)]
+    want, got = _both(logits, rows, seed=9, threads=8, order_seed=vocab, splits=8)
+    _assert_same(want, got, f"vocab {vocab}")
 
 
 def _rows(params: SamplingParams, n: int) -> list:
@@ -108,7 +132,7 @@ def test_kernel_tokens_follow_the_distribution(params: SamplingParams) -> None:
     n = 4000
     logits = base.expand(n, -1).contiguous()
     rows = [row(params, prompt=(1, 2), output=(0, 3, 0)) for _ in range(n)]
-    kernel = HostKernel(4)
+    kernel = HostKernel(4, splits=3)  # plain temperature rows split; the others block 0 alone
     tokens = Sampler(seed=11, kernel=kernel)(logits, rows).token_ids
     probs = Sampler().distribution(logits[:1], rows[:1])[0]
     order = probs.argsort(descending=True).tolist()
@@ -128,8 +152,9 @@ def test_greedy_and_top_k_1_are_the_argmax() -> None:
     logits = torch.randn(12, 5000, generator=g) * 4
     rows = [row(SamplingParams(temperature=0.0)) for _ in range(6)]
     rows += [row(SamplingParams(temperature=0.8, top_k=1, seed=i)) for i in range(6)]
-    out = Sampler(kernel=HostKernel(16))(logits, rows)
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    for splits in (1, 5):
+        out = Sampler(kernel=HostKernel(16, splits=splits))(logits, rows)
+        assert out.token_ids == logits.argmax(dim=-1).tolist(), f"{splits} blocks a row"
 
 
 def test_seeded_rows_do_not_depend_on_the_batch_or_the_thread_order() -> None:
