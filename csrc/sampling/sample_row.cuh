@@ -697,7 +697,8 @@ CORE_SAMPLE_FN bool drawable(const Stats& all) {
 }
 
 // Slice g of a split row: S entries from g * S (fewer, or none, at the end), chunked over the
-// block's threads like a row.
+// block's threads like a row. Only rows without edits or penalty state are split, so neither
+// is shifted here (widening the split to such rows would have to).
 CORE_SAMPLE_FN Row slice_of(const Row& r, int g, int len, int threads) {
   Row s = r;
   const int lo = imin(g * len, r.vocab);

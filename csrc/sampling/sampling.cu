@@ -17,11 +17,12 @@ struct DeviceBlock {
   template <class T>
   __device__ T load_fresh(const T* p) {
     static_assert(sizeof(T) % 8 == 0 && alignof(T) >= 8, "8-byte words");
-    T out;
-    auto* dst = reinterpret_cast<unsigned long long*>(&out);
+    unsigned long long words[sizeof(T) / 8];
     const auto* src = reinterpret_cast<const unsigned long long*>(p);
 #pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(T) / 8); ++i) dst[i] = load_cg(src + i);
+    for (int i = 0; i < static_cast<int>(sizeof(T) / 8); ++i) words[i] = load_cg(src + i);
+    T out;
+    memcpy(&out, words, sizeof(T));
     return out;
   }
   __device__ unsigned atomic_add(unsigned* p, unsigned v) { return atomicAdd(p, v); }

@@ -40,7 +40,8 @@ class CudaSamplingKernel:
     """``core_C.sample_rows`` for float32 CUDA logits with contiguous rows; small batches split
     each row across several blocks (:func:`splits_for`). The split launches' workspace (the
     blocks' statistics, the zeroed arrival counts every launch leaves at zero) is kept per
-    device and grown on demand."""
+    device and grown on demand: launches on one device must run in order on one stream and
+    outside CUDA graphs (as the engine's sampler does: the decode graphs end at the logits)."""
 
     reads_penalty_state = True
     """Penalised rows read the device penalty state (core/sampler/penalties.py)."""

@@ -319,9 +319,9 @@ def test_small_batches_split_rows_across_blocks(batch: int, shape: str) -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert splits_for(batch, 128256, sms) > 1
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_p=0.9),
-              SamplingParams(temperature=1.0, min_p=0.05)]
+              SamplingParams(temperature=1.0, min_p=0.05)]  # batch 1: the temperature row
     logits = make_logits(batch, 128256, shape, seed=batch)
     rows = make_rows(batch, 128256, lambda i: params[i % len(params)])
     k = kernel()

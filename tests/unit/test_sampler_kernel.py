@@ -123,7 +123,8 @@ def test_kernel_fallback_paths_stay_exact(name: str) -> None:
     ],
     ids=["temperature", "min-p", "top-k", "top-p", "all"],
 )
-def test_kernel_tokens_follow_the_distribution(params: SamplingParams) -> None:
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_tokens_follow_the_distribution(params: SamplingParams, splits: int) -> None:
     # 4000 draws of one fixed row (a few likely tokens and a long tail), each from its own
     # uniform number, against Sampler.distribution: 12 bins (11 likeliest + the rest).
     g = torch.Generator().manual_seed(3)
@@ -132,7 +133,7 @@ def test_kernel_tokens_follow_the_distribution(params: SamplingParams) -> None:
     n = 4000
     logits = base.expand(n, -1).contiguous()
     rows = [row(params, prompt=(1, 2), output=(0, 3, 0)) for _ in range(n)]
-    kernel = HostKernel(4, splits=3)  # plain temperature rows split; the others block 0 alone
+    kernel = HostKernel(4, splits=splits)  # split: plain temperature rows shared, the others block 0 alone
     tokens = Sampler(seed=11, kernel=kernel)(logits, rows).token_ids
     probs = Sampler().distribution(logits[:1], rows[:1])[0]
     order = probs.argsort(descending=True).tolist()
