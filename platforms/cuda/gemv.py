@@ -168,8 +168,14 @@ class CudaDenseLinear(LinearMethod):
         ``rotary_embedding`` kernel, one kernel fewer a layer), if that op would run its kernel
         on these heads (whole 16-byte vectors: rotary_dim / 2 and the unrotated tail); else
         None."""
+        from core.models.layers import RotaryEmbedding
+
         x2 = self._gemv_rows(layer, x, bias)
-        if x2 is None:
+        # Only in place of this platform's own rotary op inside core's RotaryEmbedding (a
+        # plugin's override through core_op_overrides, or a subclass's own forward, runs as
+        # given: the caller rotates).
+        if (x2 is None or type(rotary) is not RotaryEmbedding
+                or rotary.ops.rotary_embedding is not _platform_op("rotary_embedding")):
             return None
         vec, d, rot = 16 // x.element_size(), layer.head_size, rotary.rotary_dim
         cs = rotary.cos_sin_cache

@@ -7,6 +7,8 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -264,10 +266,11 @@ def _qkv_case(m, heads, kv_heads, d, dtype, seed):
     return x, w, positions
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rot", [128, 64])
 @pytest.mark.parametrize("m", [1, 2])
-def test_gemv_rope_is_the_kernel_then_rotary_embedding(dtype, rot, m):
+@pytest.mark.parametrize("split", [1, 4])
+def test_gemv_rope_is_the_kernel_then_rotary_embedding(dtype, rot, m, split):
     """The fused QKV GEMV rotating its query and key heads in the epilogue: values heads and
     unrotated features exactly the plain kernel's; rotated features the CUDA rotary_embedding
     op's on the plain kernel's output (same inputs, same formula: equal but for the
@@ -279,9 +282,14 @@ def test_gemv_rope_is_the_kernel_then_rotary_embedding(dtype, rot, m):
 
     heads, kv_heads, d = 4, 2, 128
     x, w, positions = _qkv_case(m, heads, kv_heads, d, dtype, 10 * m + rot)
+    from platforms.cuda.build import load_ops
+
     cs = cos_sin_table(rot, {"rope_type": "default", "rope_theta": 500000.0}, 4096).cuda()
-    got = gemv_rope(x, w, positions, cs, heads + kv_heads, d, rot)
-    plain = gemv(x, w, 2)
+    got = torch.empty(m, w.shape[0], device="cuda", dtype=dtype)
+    load_ops().gemv_rope(got, x, w, split, positions, cs, heads + kv_heads, d, rot)
+    if split == 4:
+        assert torch.equal(got, gemv_rope(x, w, positions, cs, heads + kv_heads, d, rot))  # the default
+    plain = gemv(x, w, 2, split)
     q_size, kv_size = heads * d, kv_heads * d
     q, k, v = plain.split([q_size, kv_size, kv_size], dim=-1)
     q_rot, k_rot = rotary_embedding(positions, q.reshape(m, heads, d), k.reshape(m, kv_heads, d), cs, rot)
@@ -308,17 +316,19 @@ def test_the_dense_method_rotates_in_the_qkv_projection_where_it_takes_the_kerne
     """CudaDenseLinear.apply_rope: 1-2 bf16 rows on Hopper or newer give gemv_rope's result;
     3 rows, a bias, or a rotary width the rotary op's kernel would not take give None (the
     model projects, then rotates)."""
-    from core.models.rope import cos_sin_table
+    from core.models.layers import RotaryEmbedding
+    from core.ops import Ops
     from platforms.cuda.gemv import CUDA_DENSE, gemv_rope
+    from platforms.cuda.ops import cuda_ops
 
     heads, kv_heads, d = 4, 2, 128
     x, w, positions = _qkv_case(m, heads, kv_heads, d, torch.bfloat16, 5 + m)
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(w)
     layer.head_size, layer.num_heads, layer.num_kv_heads = d, heads, kv_heads
-    rotary = torch.nn.Module()
-    rotary.rotary_dim = 128
-    rotary.cos_sin_cache = cos_sin_table(128, {"rope_type": "default", "rope_theta": 10000.0}, 4096).cuda()
+    ctx = types.SimpleNamespace(ops=Ops(cuda_ops()), device=torch.device("cuda"))
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rotary = RotaryEmbedding(d, 128, 4096, params, ctx)
     got = CUDA_DENSE.apply_rope(layer, x[:, None, :], None, positions, rotary)
     if m <= 2 and torch.cuda.get_device_capability()[0] >= 9:
         assert got.shape == (m, 1, w.shape[0])
@@ -327,9 +337,17 @@ def test_the_dense_method_rotates_in_the_qkv_projection_where_it_takes_the_kerne
     else:
         assert got is None
     assert CUDA_DENSE.apply_rope(layer, x, torch.zeros(w.shape[0], device="cuda").bfloat16(), positions, rotary) is None
-    rotary.rotary_dim = 12  # rotary_dim / 2 not whole 16-byte vectors: the op's torch path
-    rotary.cos_sin_cache = cos_sin_table(12, {"rope_type": "default", "rope_theta": 10000.0}, 4096).cuda()
-    assert CUDA_DENSE.apply_rope(layer, x, None, positions, rotary) is None
+    # rotary_dim / 2 not whole 16-byte vectors: the rotary op's torch path, so not fused
+    assert CUDA_DENSE.apply_rope(layer, x, None, positions, RotaryEmbedding(d, 12, 4096, params, ctx)) is None
+    # a plugin's rotary_embedding (core_op_overrides) or a subclass's forward runs as given
+    plugin = types.SimpleNamespace(ops=Ops({**cuda_ops(), "rotary_embedding": lambda *a: None}), device=ctx.device)
+    assert CUDA_DENSE.apply_rope(layer, x, None, positions, RotaryEmbedding(d, 128, 4096, params, plugin)) is None
+
+    class Scaled(RotaryEmbedding):
+        def forward(self, positions, query, key):
+            return super().forward(positions, query, key)
+
+    assert CUDA_DENSE.apply_rope(layer, x, None, positions, Scaled(d, 128, 4096, params, ctx)) is None
 
 
 def test_gemv_rope_refusals_name_the_limits():
