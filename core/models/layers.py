@@ -381,8 +381,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         """``self(x)`` with every query and key head of this rank rotated by ``rotary`` at
         ``positions``, in one step where the format's method can (:meth:`LinearMethod.apply_rope`),
         else None (the caller projects, then rotates)."""
-        if self.gather_output:
-            return None
         return self.linear_method.apply_rope(self, x, self.bias, positions, rotary)
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:

@@ -170,7 +170,7 @@ class CudaDenseLinear(LinearMethod):
         None."""
         from core.models.layers import RotaryEmbedding
 
-        x2 = self._gemv_rows(layer, x, bias)
+        x2 = self.gemv_rows(x, layer.weight, bias)
         # Only in place of this platform's own rotary op inside core's RotaryEmbedding (a
         # plugin's override through core_op_overrides, or a subclass's own forward, runs as
         # given: the caller rotates).
