@@ -31,28 +31,52 @@ __device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
 // kSplit: warps of a CTA that share one group of rows (1, or kWarps, the default: each warp
 // sums every kSplit-th warp-wide slice of k and warp 0 adds the kSplit partial sums in a fixed
 // order, so a CTA streams several slices of the same rows at once and the grid has kSplit times
-// more CTAs). kGated: the weight is [gate | up] (n = 2d rows) and a warp takes gate row j with up
-// row d + j, writing round(round(silu(round(g))) * round(u)) to out[m, j]: the values of this
-// kernel followed by silu_and_mul (csrc/fused_ops.cu), without the second kernel.
-template <typename T, int M, int kRows, int kSplit, bool kGated>
+// more CTAs). kEpi, what the epilogue does with a warp's two rows (kRows 2) when not kPlain:
+// kSiluMul, the weight is [gate | up] (n = 2d rows) and a warp takes gate row j with up row
+// d + j, writing round(round(silu(round(g))) * round(u)) to out[m, j]: the values of this
+// kernel followed by silu_and_mul (csrc/fused_ops.cu), without the second kernel. kRope, the
+// weight is a fused QKV projection and a warp takes features j and j + rotary_dim / 2 of one
+// query or key head, rotating them as rotary_kernel does (or two unrotated features).
+enum Epilogue { kPlain = 0, kSiluMul = 1, kRope = 2 };
+
+template <typename T, int M, int kRows, int kSplit, int kEpi>
 __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a, const int prefetch_lines) {
+  constexpr bool kGated = kEpi == kSiluMul;
+  constexpr bool kPaired = kEpi != kPlain;  // a warp's two rows are one output pair
   static_assert(kSplit == 1 || kSplit == kWarps, "a CTA's warps are one row group or kWarps of them");
-  static_assert(!kGated || kRows == 2, "the gated epilogue pairs one gate row with one up row");
+  static_assert(!kPaired || kRows == 2, "the paired epilogues take two rows a warp");
   using S = typename T::Storage;
   constexpr int V = T::kVec;
   const int lane = threadIdx.x % kWarpSize;
   const int wid = threadIdx.x / kWarpSize;
   const int slice = wid % kSplit;
   const int group = blockIdx.x * (kWarps / kSplit) + wid / kSplit;
-  const int n_out = kGated ? a.n / 2 : a.n;
-  const int n0 = kGated ? group : group * kRows;
+  const int n_out = kPaired ? a.n / 2 : a.n;  // kRope: pairs of rows
+  const int n0 = kPaired ? group : group * kRows;
   if (n0 >= n_out) return;  // whole warps (whole CTAs when split): the shuffles need every lane
   const S* w = static_cast<const S*>(a.w);
   const S* x = static_cast<const S*>(a.x);
   int rows[kRows];
+  int rope_j = -1;  // kRope: the pair's cos/sin index, or -1 for two plain rows
   if constexpr (kGated) {
     rows[0] = n0;
     rows[1] = n_out + n0;
+  } else if constexpr (kEpi == kRope) {
+    const int half_head = a.head_size / 2;
+    if (n0 < a.rope_heads * half_head) {
+      const int h = n0 / half_head, j = n0 - h * half_head, base = h * a.head_size;
+      if (j < a.rotary_dim / 2) {  // features j and j + rotary_dim / 2 of head h
+        rows[0] = base + j;
+        rows[1] = base + j + a.rotary_dim / 2;
+        rope_j = j;
+      } else {  // the head's unrotated tail, two features at a time
+        rows[0] = base + a.rotary_dim + 2 * (j - a.rotary_dim / 2);
+        rows[1] = rows[0] + 1;
+      }
+    } else {  // values
+      rows[0] = 2 * n0;
+      rows[1] = 2 * n0 + 1;
+    }
   } else {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) rows[r] = min(n0 + r, a.n - 1);  // tail rows recompute n-1
@@ -132,7 +156,24 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
 
   if (lane != 0) return;
   S* out = static_cast<S*>(a.out);
-  if constexpr (kGated) {
+  if constexpr (kEpi == kRope) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      S* o = out + int64_t(m) * a.out_stride;
+      if (rope_j < 0) {
+        o[rows[0]] = T::from_float(acc[0][m]);
+        o[rows[1]] = T::from_float(acc[1][m]);
+        continue;
+      }
+      // As rotary_kernel (fused_ops.cu) computes it from the stored projection.
+      const float x1 = T::to_float1(T::from_float(acc[0][m]));
+      const float x2 = T::to_float1(T::from_float(acc[1][m]));
+      const float* cs = a.cos_sin + a.positions[m] * a.rotary_dim;
+      const float co = cs[rope_j], si = cs[a.rotary_dim / 2 + rope_j];
+      o[rows[0]] = T::from_float(x1 * co - x2 * si);
+      o[rows[1]] = T::from_float(x2 * co + x1 * si);
+    }
+  } else if constexpr (kGated) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const float g = T::to_float1(T::from_float(acc[0][m]));
@@ -151,44 +192,54 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
   }
 }
 
-template <typename T, int M, int kRows, int kSplit, bool kGated>
+template <typename T, int M, int kRows, int kSplit, int kEpi>
 cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
-  const int groups = kGated ? a.n / 2 : (a.n + kRows - 1) / kRows;
+  const int groups = kEpi != kPlain ? a.n / 2 : (a.n + kRows - 1) / kRows;
   constexpr int kGroupsPerCta = kWarps / kSplit;
   const int blocks = (groups + kGroupsPerCta - 1) / kGroupsPerCta;
   // Under programmatic dependent launch (cuda_compat.h): the CTAs are resident while the
   // kernel before (the norm, SiLU-and-mul, the attention's reduce) finishes.
   const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) * sizeof(typename T::Storage));
-  return launch_dependent(gemv_kernel<T, M, kRows, kSplit, kGated>, dim3(blocks), dim3(kWarps * kWarpSize), 0,
+  return launch_dependent(gemv_kernel<T, M, kRows, kSplit, kEpi>, dim3(blocks), dim3(kWarps * kWarpSize), 0,
                           stream, a, lines);
 }
 
-template <typename T, int kRows, int kSplit, bool kGated>
+template <typename T, int kRows, int kSplit, int kEpi>
 cudaError_t dispatch_m(const GemvArgs& a, cudaStream_t stream) {
   switch (a.m) {
-    case 1: return launch<T, 1, kRows, kSplit, kGated>(a, stream);
-    case 2: return launch<T, 2, kRows, kSplit, kGated>(a, stream);
-    case 3: return launch<T, 3, kRows, kSplit, kGated>(a, stream);
-    case 4: return launch<T, 4, kRows, kSplit, kGated>(a, stream);
-    case 5: return launch<T, 5, kRows, kSplit, kGated>(a, stream);
-    case 6: return launch<T, 6, kRows, kSplit, kGated>(a, stream);
-    case 7: return launch<T, 7, kRows, kSplit, kGated>(a, stream);
-    case 8: return launch<T, 8, kRows, kSplit, kGated>(a, stream);
+    case 1: return launch<T, 1, kRows, kSplit, kEpi>(a, stream);
+    case 2: return launch<T, 2, kRows, kSplit, kEpi>(a, stream);
+    case 3: return launch<T, 3, kRows, kSplit, kEpi>(a, stream);
+    case 4: return launch<T, 4, kRows, kSplit, kEpi>(a, stream);
+    case 5: return launch<T, 5, kRows, kSplit, kEpi>(a, stream);
+    case 6: return launch<T, 6, kRows, kSplit, kEpi>(a, stream);
+    case 7: return launch<T, 7, kRows, kSplit, kEpi>(a, stream);
+    case 8: return launch<T, 8, kRows, kSplit, kEpi>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t dispatch_rows(const GemvArgs& a, cudaStream_t stream) {
-  if (a.silu_and_mul) {  // one gate and one up row per warp
-    if (a.n % 2 != 0 || a.rows_per_warp != 2) return cudaErrorInvalidValue;
-    return a.split_k == 1 ? dispatch_m<T, 2, 1, true>(a, stream) : dispatch_m<T, 2, kWarps, true>(a, stream);
-  }
   const bool split = a.split_k != 1;
+  if (a.silu_and_mul || a.rope_heads > 0) {  // pairs of rows: two per warp
+    if (a.n % 2 != 0 || a.rows_per_warp != 2 || (a.silu_and_mul && a.rope_heads > 0)) return cudaErrorInvalidValue;
+    if (a.silu_and_mul) return split ? dispatch_m<T, 2, kWarps, kSiluMul>(a, stream) : dispatch_m<T, 2, 1, kSiluMul>(a, stream);
+    if (a.head_size % 2 != 0 || a.rotary_dim % 2 != 0 || a.rotary_dim > a.head_size ||
+        int64_t(a.rope_heads) * a.head_size > a.n || a.positions == nullptr || a.cos_sin == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+    // One or two rows (the decode steps the dense method sends; more rows spilled registers).
+    switch (a.m) {
+      case 1: return split ? launch<T, 1, 2, kWarps, kRope>(a, stream) : launch<T, 1, 2, 1, kRope>(a, stream);
+      case 2: return split ? launch<T, 2, 2, kWarps, kRope>(a, stream) : launch<T, 2, 2, 1, kRope>(a, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (a.rows_per_warp) {
-    case 1: return split ? dispatch_m<T, 1, kWarps, false>(a, stream) : dispatch_m<T, 1, 1, false>(a, stream);
-    case 2: return split ? dispatch_m<T, 2, kWarps, false>(a, stream) : dispatch_m<T, 2, 1, false>(a, stream);
-    case 4: return split ? cudaErrorInvalidValue : dispatch_m<T, 4, 1, false>(a, stream);
+    case 1: return split ? dispatch_m<T, 1, kWarps, kPlain>(a, stream) : dispatch_m<T, 1, 1, kPlain>(a, stream);
+    case 2: return split ? dispatch_m<T, 2, kWarps, kPlain>(a, stream) : dispatch_m<T, 2, 1, kPlain>(a, stream);
+    case 4: return split ? cudaErrorInvalidValue : dispatch_m<T, 4, 1, kPlain>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -53,8 +53,9 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what, b
   }
 }
 
-void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp, int64_t split_k,
-          bool silu_and_mul) {
+// Checks the operands and fills the launch's arguments (no rotary embedding).
+core_kernels::GemvArgs gemv_args(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp,
+                                 int64_t split_k, bool silu_and_mul) {
   check_rows(x, x, "x", true);
   check_rows(weight, x, "weight", true);
   check_rows(out, x, "out", false);
@@ -77,7 +78,6 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_
   TORCH_CHECK(!silu_and_mul || rows_per_warp == 2,
               "core_C.gemv: silu_and_mul takes rows_per_warp 2 (one gate and one up row), got " +
                   std::to_string(rows_per_warp));
-  const c10::cuda::CUDAGuard guard(x.device());
   core_kernels::GemvArgs a{};
   a.out = out.data_ptr();
   a.x = x.data_ptr();
@@ -92,9 +92,50 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_
   a.split_k = static_cast<int>(split_k);
   a.silu_and_mul = silu_and_mul;
   a.dtype = gemv_dtype(x);
+  return a;
+}
+
+void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp, int64_t split_k,
+          bool silu_and_mul) {
+  const core_kernels::GemvArgs a = gemv_args(out, x, weight, rows_per_warp, split_k, silu_and_mul);
+  const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv failed: ") + cudaGetErrorString(err));
 }
+
+// out = x @ weight.T with the first rope_heads heads of head_size features rotated by
+// cos_sin[positions] (rotary_dim features a head), as rotary_embedding rotates them.
+void gemv_rope(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t split_k,
+               const at::Tensor& positions, const at::Tensor& cos_sin, int64_t rope_heads, int64_t head_size,
+               int64_t rotary_dim) {
+  TORCH_CHECK(rope_heads >= 1 && head_size >= 2 && head_size % 2 == 0 && rotary_dim >= 2 && rotary_dim % 2 == 0 &&
+                  rotary_dim <= head_size && rope_heads * head_size <= weight.size(0) && weight.size(0) % 2 == 0,
+              "core_C.gemv_rope: " + std::to_string(rope_heads) + " rotated heads of " + std::to_string(head_size) +
+                  " features (rotary_dim " + std::to_string(rotary_dim) + ") do not fit a weight of " +
+                  std::to_string(weight.size(0)) + " rows (need even sizes, rotary_dim <= head_size, an even row count)");
+  TORCH_CHECK(positions.is_cuda() && positions.device() == x.device() && positions.scalar_type() == at::kLong &&
+                  positions.dim() == 1 && positions.is_contiguous() && positions.size(0) == x.size(0),
+              "core_C.gemv_rope: positions " + dims(positions) + " must be contiguous int64 on x's device, one per row of x " +
+                  dims(x));
+  TORCH_CHECK(cos_sin.is_cuda() && cos_sin.device() == x.device() && cos_sin.scalar_type() == at::kFloat &&
+                  cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) == rotary_dim,
+              "core_C.gemv_rope: cos_sin " + dims(cos_sin) + " must be a contiguous float32 [positions, rotary_dim " +
+                  std::to_string(rotary_dim) + "] table on x's device");
+  TORCH_CHECK(x.size(0) <= 2, "core_C.gemv_rope: x has " + std::to_string(x.size(0)) +
+                                  " rows; the rotating epilogue takes 1 or 2 (use gemv, then rotary_embedding)");
+  core_kernels::GemvArgs a = gemv_args(out, x, weight, 2, split_k, false);
+  a.positions = positions.data_ptr<int64_t>();
+  a.cos_sin = cos_sin.data_ptr<float>();
+  a.rope_heads = static_cast<int>(rope_heads);
+  a.head_size = static_cast<int>(head_size);
+  a.rotary_dim = static_cast<int>(rotary_dim);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv_rope failed: ") + cudaGetErrorString(err));
+}
+
+void gemv_rope_meta(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
+                    int64_t, int64_t, int64_t) {}
 
 void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t, int64_t, bool) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && weight.dim() == 2, "gemv: expected 2-d out, x, weight");
@@ -108,6 +149,18 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
       "()");
 }
 
-TORCH_LIBRARY_IMPL(core_C, CUDA, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_FRAGMENT(core_C, m) {
+  m.def(
+      "gemv_rope(Tensor(a!) out, Tensor x, Tensor weight, int split_k, Tensor positions, Tensor cos_sin, "
+      "int rope_heads, int head_size, int rotary_dim) -> ()");
+}
 
-TORCH_LIBRARY_IMPL(core_C, Meta, m) { m.impl("gemv", &gemv_meta); }
+TORCH_LIBRARY_IMPL(core_C, CUDA, m) {
+  m.impl("gemv", &gemv);
+  m.impl("gemv_rope", &gemv_rope);
+}
+
+TORCH_LIBRARY_IMPL(core_C, Meta, m) {
+  m.impl("gemv", &gemv_meta);
+  m.impl("gemv_rope", &gemv_rope_meta);
+}

@@ -216,6 +216,15 @@ class LinearMethod:
         the activation in its epilogue, with the same values, overrides this."""
         return silu_and_mul(self.apply(layer, x, bias))
 
+    def apply_rope(
+        self, layer: QKVParallelLinear, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor | None:
+        """``apply`` of a fused QKV layer with its query and key heads already rotated by
+        ``rotary`` (the platform's ``rotary_embedding``, same values), where the method's kernel
+        can rotate them in its epilogue; None where it cannot (the caller rotates). Dense: None."""
+        return None
+
     def prepare_embedding(self, layer: VocabParallelEmbedding) -> None:
         """Derive a compact form of a loaded embedding table (which a tied LM head shares); a
         method may then release the dense table, if its :meth:`embed` and the platform's
@@ -367,6 +376,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         total = (self.num_heads + 2 * self.num_kv_heads) * head_size
         super().__init__(hidden_size, total * tp, ctx, bias)
+
+    def rotated(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor | None:
+        """``self(x)`` with every query and key head of this rank rotated by ``rotary`` at
+        ``positions``, in one step where the format's method can (:meth:`LinearMethod.apply_rope`),
+        else None (the caller projects, then rotates)."""
+        return self.linear_method.apply_rope(self, x, self.bias, positions, rotary)
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         if shard == "q":

@@ -155,14 +155,20 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        # A family without per-head work lets the projection rotate q and k itself, where its
+        # format's kernel can (one kernel fewer a layer on CUDA decode steps).
+        qkv = self.qkv_proj.rotated(x, positions, self.rotary_emb) if self._rope_in_projection else None
+        rotated = qkv is not None
+        if not rotated:
+            qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         d = self.spec.head_size
         q = q.view(-1, self.spec.num_heads, d)  # [T, H, D]
         k = k.view(-1, self.spec.num_kv_heads, d)  # [T, KVH, D]
         v = v.view(-1, self.spec.num_kv_heads, d)
-        q, k = self.rotary_emb(positions, *self.per_head(q, k))
+        if not rotated:
+            q, k = self.rotary_emb(positions, *self.per_head(q, k))
         out = self.attn.forward(q, k, v, kv_cache, metadata)  # [T, H, D]
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -170,6 +176,10 @@ class LlamaAttention(nn.Module):
         """What a family does to each query and key head before the rotary embedding
         (Qwen3: an RMSNorm); nothing for Llama."""
         return q, k
+
+    @property
+    def _rope_in_projection(self) -> bool:
+        return type(self).per_head is LlamaAttention.per_head
 
 
 class LlamaDecoderLayer(nn.Module):

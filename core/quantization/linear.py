@@ -177,6 +177,10 @@ class QuantizeOnLoad(LinearMethod):
     ) -> torch.Tensor:
         return self.inner.apply_silu_and_mul(layer, x, bias, silu_and_mul)
 
+    def apply_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                   rotary: nn.Module) -> torch.Tensor | None:
+        return self.inner.apply_rope(layer, x, bias, positions, rotary)
+
 
 def linear_method_for(platform: Platform, model: ModelConfig, dtype: torch.dtype) -> LinearMethod:
     """The linear method of an engine: the quantization method's on this platform when it

@@ -68,6 +68,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, spl
     return out
 
 
+def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              rope_heads: int, head_size: int, rotary_dim: int) -> torch.Tensor:
+    """``x @ weight.T`` of a fused QKV weight with its first ``rope_heads`` heads (query, then
+    key) rotated by ``cos_sin[positions]`` in the epilogue: the values of :func:`gemv` followed
+    by the platform's ``rotary_embedding`` (each projection rounded to the storage dtype first)."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    load_ops().gemv_rope(out, x, weight, split_k_for(2), positions.contiguous(), cos_sin, rope_heads, head_size,
+                         rotary_dim)
+    return out
+
+
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ weight.T`` for a ``[gate | up]`` weight [2d, k], in one
     kernel: out [m, d], equal to :func:`gemv` followed by the platform's ``silu_and_mul``
@@ -148,6 +159,31 @@ class CudaDenseLinear(LinearMethod):
             # kernel (whole 16-byte vectors a row), whose values the epilogue reproduces.
             return silu_and_mul(self.apply(layer, x, bias))
         y = gemv_silu_and_mul(x2, layer.weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                   rotary: nn.Module) -> torch.Tensor | None:
+        """Where the kernel takes the fused QKV projection, the query and key heads are rotated
+        in its epilogue (:func:`gemv_rope`; the values of the kernel followed by the platform's
+        ``rotary_embedding`` kernel, one kernel fewer a layer), if that op would run its kernel
+        on these heads (whole 16-byte vectors: rotary_dim / 2 and the unrotated tail); else
+        None."""
+        from core.models.layers import RotaryEmbedding
+
+        x2 = self.gemv_rows(x, layer.weight, bias)
+        # Only in place of this platform's own rotary op inside core's RotaryEmbedding (a
+        # plugin's override through core_op_overrides, or a subclass's own forward, runs as
+        # given: the caller rotates).
+        if (x2 is None or type(rotary) is not RotaryEmbedding
+                or rotary.ops.rotary_embedding is not _platform_op("rotary_embedding")):
+            return None
+        vec, d, rot = 16 // x.element_size(), layer.head_size, rotary.rotary_dim
+        cs = rotary.cos_sin_cache
+        if not (rot % 2 == 0 and (rot // 2) % vec == 0 and (d - rot) % vec == 0
+                and cs.dtype == torch.float32 and cs.is_contiguous() and cs.device == x.device
+                and positions.dtype == torch.int64 and positions.numel() == x2.shape[0]):
+            return None
+        y = gemv_rope(x2, layer.weight, positions.reshape(-1), cs, layer.num_heads + layer.num_kv_heads, d, rot)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

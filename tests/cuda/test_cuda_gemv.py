@@ -7,6 +7,8 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -253,3 +255,114 @@ def test_the_lm_head_op_takes_the_kernel_when_switched_on(monkeypatch, rows):
     kernel = rows <= 2 and torch.cuda.get_device_capability()[0] >= 9
     assert torch.equal(got, gemv_mod.gemv(hidden, weight).float() if kernel else cublas)
     _check(got.bfloat16(), hidden, weight)
+
+
+def _qkv_case(m, heads, kv_heads, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k = (heads + 2 * kv_heads) * d, 2048
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    positions = torch.randint(0, 4096, (m,), device="cuda", generator=g)
+    return x, w, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rot", [128, 64])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("split", [1, 4])
+def test_gemv_rope_is_the_kernel_then_rotary_embedding(dtype, rot, m, split):
+    """The fused QKV GEMV rotating its query and key heads in the epilogue: values heads and
+    unrotated features exactly the plain kernel's; rotated features the CUDA rotary_embedding
+    op's on the plain kernel's output (same inputs, same formula: equal but for the
+    compiler's FMA contraction, so to one rounding step); and the float64 rotation of the
+    float64 product to the dtype's rounding."""
+    from core.models.rope import cos_sin_table
+    from platforms.cuda.gemv import gemv, gemv_rope
+    from platforms.cuda.ops import rotary_embedding
+
+    heads, kv_heads, d = 4, 2, 128
+    x, w, positions = _qkv_case(m, heads, kv_heads, d, dtype, 10 * m + rot)
+    from platforms.cuda.build import load_ops
+
+    cs = cos_sin_table(rot, {"rope_type": "default", "rope_theta": 500000.0}, 4096).cuda()
+    got = torch.empty(m, w.shape[0], device="cuda", dtype=dtype)
+    load_ops().gemv_rope(got, x, w, split, positions, cs, heads + kv_heads, d, rot)
+    if split == 4:
+        assert torch.equal(got, gemv_rope(x, w, positions, cs, heads + kv_heads, d, rot))  # the default
+    plain = gemv(x, w, 2, split)
+    q_size, kv_size = heads * d, kv_heads * d
+    q, k, v = plain.split([q_size, kv_size, kv_size], dim=-1)
+    q_rot, k_rot = rotary_embedding(positions, q.reshape(m, heads, d), k.reshape(m, kv_heads, d), cs, rot)
+    want = torch.cat([q_rot.reshape(m, -1), k_rot.reshape(m, -1), v], dim=-1)
+    assert torch.equal(got[:, q_size + kv_size:], v)
+    heads_got = got[:, : q_size + kv_size].reshape(m, heads + kv_heads, d)
+    heads_want = want[:, : q_size + kv_size].reshape(m, heads + kv_heads, d)
+    assert torch.equal(heads_got[..., rot:], heads_want[..., rot:])  # the unrotated tail
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(heads_got.float(), heads_want.float(), rtol=eps, atol=eps)
+    assert (heads_got == heads_want).float().mean() > 0.99
+    # float64: the product, then the rotation of each head's first rot features.
+    p = (x.double() @ w.double().T)[:, : q_size + kv_size].reshape(m, heads + kv_heads, d)
+    c, s = cs[positions].double().chunk(2, dim=-1)
+    x1, x2 = p[..., : rot // 2], p[..., rot // 2 : rot]
+    c, s = c[:, None, :], s[:, None, :]
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, p[..., rot:]], dim=-1)
+    tol = 3 * _TOL[dtype]
+    torch.testing.assert_close(heads_got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_the_dense_method_rotates_in_the_qkv_projection_where_it_takes_the_kernel(m):
+    """CudaDenseLinear.apply_rope: 1-2 bf16 rows on Hopper or newer give gemv_rope's result;
+    3 rows, a bias, or a rotary width the rotary op's kernel would not take give None (the
+    model projects, then rotates)."""
+    from core.models.layers import RotaryEmbedding
+    from core.ops import Ops
+    from platforms.cuda.gemv import CUDA_DENSE, gemv_rope
+    from platforms.cuda.ops import cuda_ops
+
+    heads, kv_heads, d = 4, 2, 128
+    x, w, positions = _qkv_case(m, heads, kv_heads, d, torch.bfloat16, 5 + m)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w)
+    layer.head_size, layer.num_heads, layer.num_kv_heads = d, heads, kv_heads
+    ctx = types.SimpleNamespace(ops=Ops(cuda_ops()), device=torch.device("cuda"))
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rotary = RotaryEmbedding(d, 128, 4096, params, ctx)
+    got = CUDA_DENSE.apply_rope(layer, x[:, None, :], None, positions, rotary)
+    if m <= 2 and torch.cuda.get_device_capability()[0] >= 9:
+        assert got.shape == (m, 1, w.shape[0])
+        want = gemv_rope(x, w, positions, rotary.cos_sin_cache, heads + kv_heads, d, 128)
+        assert torch.equal(got[:, 0], want)
+    else:
+        assert got is None
+    assert CUDA_DENSE.apply_rope(layer, x, torch.zeros(w.shape[0], device="cuda").bfloat16(), positions, rotary) is None
+    # rotary_dim / 2 not whole 16-byte vectors: the rotary op's torch path, so not fused
+    assert CUDA_DENSE.apply_rope(layer, x, None, positions, RotaryEmbedding(d, 12, 4096, params, ctx)) is None
+    # a plugin's rotary_embedding (core_op_overrides) or a subclass's forward runs as given
+    plugin = types.SimpleNamespace(ops=Ops({**cuda_ops(), "rotary_embedding": lambda *a: None}), device=ctx.device)
+    assert CUDA_DENSE.apply_rope(layer, x, None, positions, RotaryEmbedding(d, 128, 4096, params, plugin)) is None
+
+    class Scaled(RotaryEmbedding):
+        def forward(self, positions, query, key):
+            return super().forward(positions, query, key)
+
+    assert CUDA_DENSE.apply_rope(layer, x, None, positions, Scaled(d, 128, 4096, params, ctx)) is None
+
+
+def test_gemv_rope_refusals_name_the_limits():
+    from platforms.cuda.build import load_ops
+
+    ops = load_ops()
+    x, w = torch.randn(1, 64, device="cuda").bfloat16(), torch.randn(48, 64, device="cuda").bfloat16()
+    out, pos = torch.empty(1, 48, device="cuda").bfloat16(), torch.zeros(1, dtype=torch.int64, device="cuda")
+    cs = torch.zeros(16, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="do not fit a weight of 48 rows"):
+        ops.gemv_rope(out, x, w, 1, pos, cs, 4, 16, 8)  # 64 rotated rows > 48
+    with pytest.raises(RuntimeError, match="one per row of x"):
+        ops.gemv_rope(out, x, w, 1, torch.zeros(2, dtype=torch.int64, device="cuda"), cs, 2, 16, 8)
+    with pytest.raises(RuntimeError, match=r"rotary_dim 8\] table"):
+        ops.gemv_rope(out, x, w, 1, pos, torch.zeros(16, 6, device="cuda"), 2, 16, 8)
+    x3, pos3 = torch.randn(3, 64, device="cuda").bfloat16(), torch.zeros(3, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="takes 1 or 2"):
+        ops.gemv_rope(torch.empty(3, 48, device="cuda").bfloat16(), x3, w, 1, pos3, cs, 2, 16, 8)

@@ -352,3 +352,43 @@ def test_quantize_on_load_hands_silu_and_mul_to_its_inner_method():
     x = rand(2, 8)
     method = QuantizeOnLoad(Inner(), quant=types.SimpleNamespace(name="q"))
     assert method.apply_silu_and_mul(None, x, None, None) == ("inner", x)
+
+
+def test_a_format_that_rotates_in_the_qkv_projection_gives_the_same_model(tiny_llama):
+    """LlamaAttention asks the QKV layer's format to rotate q and k itself
+    (LinearMethod.apply_rope); a format that does (here: the product, then core's rotation,
+    in one call, for decode steps only) leaves every logit of a mixed prefill/decode
+    schedule unchanged (so the model skipped its own rotation there: twice rotated would
+    differ). Families
+    with per-head work before the rotation (Qwen3's q/k norms) never ask."""
+    from core.models.layers import LinearMethod, QKVParallelLinear
+    from core.models.llama import LlamaAttention
+    from core.models.qwen3 import Qwen3Attention
+    from tests.helpers import load_tiny, run_schedule
+
+    calls = []
+
+    class RotatingDense(LinearMethod):
+        def apply_rope(self, layer, x, bias, positions, rotary):
+            if x.shape[0] > 3:  # decode steps only (three rows)
+                return None
+            calls.append(x.shape[0])
+            qkv = self.apply(layer, x, bias)
+            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+            d = layer.head_size
+            q, k = rotary(positions, q.view(-1, layer.num_heads, d), k.view(-1, layer.num_kv_heads, d))
+            return torch.cat([q.reshape(x.shape[0], -1), k.reshape(x.shape[0], -1), v], dim=-1)
+
+    path = tiny_llama()
+    want = run_schedule(load_tiny(path), vocab=128, decode_steps=3, lengths=(5, 1, 9))
+    model = load_tiny(path)
+    for m in model.modules():
+        if isinstance(m, QKVParallelLinear):
+            m.linear_method = RotatingDense()
+    got = run_schedule(model, vocab=128, decode_steps=3, lengths=(5, 1, 9))
+    assert calls and set(calls) <= {2, 3}, calls  # the decode steps' rows, every layer
+    for s in want:
+        assert got[s][0] == want[s][0]
+        torch.testing.assert_close(got[s][1], want[s][1], rtol=1e-5, atol=1e-5)
+    asks = LlamaAttention._rope_in_projection.fget
+    assert asks(object.__new__(LlamaAttention)) and not asks(object.__new__(Qwen3Attention))
