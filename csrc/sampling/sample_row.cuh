@@ -182,7 +182,7 @@ struct Stats {
   Best braw, bz;
 };
 
-static_assert(sizeof(Stats) == 48, "platforms/cuda/sampling.py sizes the split workspace with this");
+static_assert(sizeof(Stats) == 48, "the host sizes the split workspace (sampling.py, STATS_BYTES) with this");
 
 CORE_SAMPLE_FN Stats stats_merge(Stats a, const Stats& b) {
   a.raw = online_merge(a.raw, b.raw);
