@@ -143,6 +143,15 @@ class Fp8Method(QuantizationMethod):
         return dummy_fp8(rows, cols, generator, std)
 
 
+def four_bit_is_exact(scales: torch.Tensor) -> bool:
+    """Whether ``q * s + (-z * s)`` equals ``(q - z) * s`` in float32 for every code q and zero
+    point z of 0..15 and every scale s here: true when each scale is finite (with room for the
+    products) and has at most 20 significant bits, since then q * s, z * s and (q - z) * s
+    (|q - z| <= 15: 4 bits each) need at most 24, all exact, and so is their sum."""
+    s = scales.float().contiguous()
+    return bool(torch.isfinite(s * 16).all()) and bool(((s.view(torch.int32) & 0xF) == 0).all())
+
+
 class CompressedTensorsMethod(QuantizationMethod):
     """compressed-tensors checkpoints (what llm-compressor writes), in one of two formats for
     the whole model:
@@ -156,10 +165,12 @@ class CompressedTensorsMethod(QuantizationMethod):
       and when asymmetric ``weight_zero_point`` int32 ``[N / 8, K / G]`` (packed the same way
       along the outputs); ``w = (q - z) * scale`` rounded once, the library's own
       dequantization (checked against it in tests/integration/test_quant_checkpoints.py).
-      Restated as an 8-bit :class:`IntWeight` holding ``q - z`` (-15..15), which dequantizes
-      to exactly those floats; the 4-bit form (codes ``q + 8``, ``min = -(z + 8) * scale``)
-      would round twice. So the CUDA platform keeps these weights as int8 codes (half of
-      bf16's bytes, not a quarter) until its int4 path takes signed codes. Activation order
+      Restated as a 4-bit :class:`IntWeight` (codes ``q + 8``, ``min = -(z + 8) * scale``,
+      what the int4 kernels take, as for AWQ) where that dequantizes to exactly those floats:
+      whenever every scale has at most 20 significant bits (:func:`four_bit_is_exact`; fp16
+      and bf16 scales, what checkpoints store, always do). Otherwise (float32 scales with
+      more bits) as an 8-bit one holding ``q - z`` (-15..15), exact in any case: the CUDA
+      platform then keeps int8 codes (half of bf16's bytes, not a quarter). Activation order
       ``actorder: "group"`` (GPTQ's desc_act; older compressed-tensors) adds
       ``weight_g_idx`` int32 ``[K]``, input ``c`` in group ``g_idx[c]``: the codes are restated
       in group order with the permutation (:attr:`IntWeight.perm`), as for GPTQ; ``"weight"``
@@ -321,10 +332,15 @@ class CompressedTensorsMethod(QuantizationMethod):
                         f"[{-(-rows // 8)}, {cols // group}] (packed along the outputs)"
                     )
                 z = unpack_int32(zero, 0)[:rows].to(torch.int16)  # [N, K / G], stored as z + 8
-                codes = codes - z.repeat_interleave(group, 1)
             else:
-                codes = codes - 8
-            return IntWeight(8, codes.to(torch.int8).contiguous(), scale.float().contiguous(), None, group, perm)
+                z = torch.full((rows, cols // group), 8, dtype=torch.int16)
+            scale = scale.float()
+            if four_bit_is_exact(scale):  # codes q + 8, min -(z + 8) * scale: the same floats
+                mins = -(z.float() * scale)
+                return IntWeight(4, codes.to(torch.uint8).contiguous(), scale.contiguous(), mins.contiguous(), group,
+                                 perm)
+            codes = codes - z.repeat_interleave(group, 1)
+            return IntWeight(8, codes.to(torch.int8).contiguous(), scale.contiguous(), None, group, perm)
 
         asymmetric = self._asymmetric
         required = ("weight_packed", "weight_scale", "weight_shape") + (("weight_zero_point",) if asymmetric else ())
@@ -339,10 +355,10 @@ class CompressedTensorsMethod(QuantizationMethod):
                            fmt="compressed-tensors")
 
     def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
-        if self._int:  # signed 4-bit codes as checkpoint_weights restates them
+        if self._int:  # 4-bit codes with zero point 8, as checkpoint_weights restates a symmetric checkpoint
             w = dummy_int4(rows, cols, self._int_group(cols), generator, std)
-            return IntWeight(8, (w.codes.to(torch.int16) - 8).to(torch.int8), w.scales, None, w.group)
+            return IntWeight(4, w.codes, w.scales, -8 * w.scales, w.group)
         return dummy_fp8(rows, cols, generator, std)
 
 
-__all__ = ["FP8_MAX", "CompressedTensorsMethod", "Fp8Method"]
+__all__ = ["FP8_MAX", "CompressedTensorsMethod", "Fp8Method", "four_bit_is_exact"]

@@ -44,12 +44,16 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_
 WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block", "ct-w4a16-group-actorder")
 CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
               "ct-w4a16-channel": "W4A16/channel", "ct-w4a16-asym": "W4A16_ASYM"}  # preset[/weight strategy]
+CT_FULL_SCALES = {"ct-w4a16-channel"}
+"""int4 presets whose scales keep all of float32's bits (they load as 8-bit codes, exactly);
+the others' scales are rounded to bf16 first, as checkpoints store them (4-bit codes)."""
 MAX_NEW = 10
 
 
-def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> None:
+def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str, full_scales: bool = False) -> None:
     """A checkpoint written by compressed-tensors: scales set from each weight's range for the
-    preset's strategy, compressed and saved by the library (``float-quantized`` for the FP8
+    preset's strategy (int4: rounded to bf16 unless ``full_scales``), compressed and saved by
+    the library (``float-quantized`` for the FP8
     presets, ``pack-quantized`` for W4A16, int4 in groups of 128). The reference: fp8 by the
     format's definition (``code * scale``), int4 by the library's own fake quantization of
     each weight with those scales (what its dequantization gives)."""
@@ -83,7 +87,10 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str) -> No
                     scale = (hi - lo) / 15.0
                     zero = (-8 - lo / scale.clamp(min=1e-8)).round().clamp(-8, 7)
                     module.weight_zero_point.copy_(zero.to(module.weight_zero_point.dtype))
-                module.weight_scale.copy_(scale.clamp(min=1e-8).to(module.weight_scale.dtype))
+                scale = scale.clamp(min=1e-8)
+                if not full_scales:
+                    scale = scale.to(torch.bfloat16)
+                module.weight_scale.copy_(scale.to(module.weight_scale.dtype))
                 int_ref[name + ".weight"] = fake_quantize(module.weight, module.weight_scale,
                                                           module.weight_zero_point, scheme.weights).float()
                 continue
@@ -143,7 +150,7 @@ def checkpoints(tmp_path_factory):
         out[fmt] = (write_quantized(src, tmp / fmt, fmt, seed=1, reference=tmp / f"{fmt}-ref"), tmp / f"{fmt}-ref")
     pytest.importorskip("compressed_tensors")
     for fmt, preset in CT_SCHEMES.items():
-        write_compressed_tensors(src, tmp / fmt, tmp / f"{fmt}-ref", preset)
+        write_compressed_tensors(src, tmp / fmt, tmp / f"{fmt}-ref", preset, full_scales=fmt in CT_FULL_SCALES)
         out[fmt] = (tmp / fmt, tmp / f"{fmt}-ref")
     return out
 
@@ -179,6 +186,21 @@ def test_dequantized_weights_equal_the_reference(checkpoints, fmt):
         want_gate_up = torch.cat([ref[f"{mlp}.gate_proj.weight"], ref[f"{mlp}.up_proj.weight"]])
         assert torch.equal(layer.mlp.gate_up_proj.weight, want_gate_up)
         assert torch.equal(layer.mlp.down_proj.weight, ref[f"{mlp}.down_proj.weight"])
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16", "ct-w4a16-asym", "ct-w4a16-channel", "ct-w4a16-group-actorder"])
+def test_compressed_tensors_int4_stays_4_bit_where_that_is_exact(checkpoints, fmt):
+    """W4A16 layers load as 4-bit codes with mins (what the int4 GEMVs take) when their scales
+    allow the same floats (16-bit scales), else as 8-bit codes; the weights above are exact
+    either way."""
+    from safetensors.torch import load_file
+
+    from core.quantization.tensors import IntWeight
+
+    quant = _quantized_config(checkpoints[fmt][0]).quantization
+    state = load_file(str(checkpoints[fmt][0] / "model.safetensors"))
+    layers = [w for _, w in quant.checkpoint_weights(iter(state.items())) if isinstance(w, IntWeight)]
+    assert layers and {w.bits for w in layers} == ({8} if fmt in CT_FULL_SCALES else {4})
 
 
 def _engine_greedy(path: Path, prompts, **engine_args) -> list[list[int]]:

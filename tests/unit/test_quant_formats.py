@@ -241,9 +241,11 @@ def test_compressed_tensors_w4a16_act_order_reads_exactly(actorder):
     assert torch.equal(weight.dequantize(), ref)
     assert (weight.perm is not None) == (actorder == "group")
     assert rel_close(weight.dequantize(), w)
+    assert weight.bits == 4  # fp16 scales: the 4-bit form is exact
     if actorder == "group":
         x = torch.randn(3, 384, generator=gen)  # the layer's product: x permuted like the codes
-        dense = weight.codes.float() * weight.scales.repeat_interleave(128, 1)
+        dense = (weight.codes.float() * weight.scales.repeat_interleave(128, 1)
+                 + weight.mins.repeat_interleave(128, 1))
         torch.testing.assert_close(x[:, weight.perm] @ dense.t(), x @ ref.t(), rtol=1e-5, atol=1e-5)
         no_idx = [(f"l.{k}", v) for k, v in parts.items() if k != "weight_g_idx"]
         with pytest.raises(ValueError, match="weight_g_idx"):
@@ -275,6 +277,39 @@ def test_compressed_tensors_group_act_order_by_the_formats_definition():
              "weight_g_idx": g_idx}
     (_, weight), = list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in parts.items())))
     assert torch.equal(weight.dequantize(), want)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_w4a16_is_4_bit_exactly_where_its_scales_allow(symmetric):
+    """A layer by the format's definition (signed codes q stored as q + 8 in nibble i of word
+    c // 8; zero points the same way along the outputs): with scales of 20 significant bits it
+    loads as 4-bit codes with mins, with float32 scales of 24 bits as 8-bit codes q - z; both
+    dequantize to (q - z) * scale rounded once. The check is needed: on these 24-bit scales
+    the 4-bit form (code * scale + min, two roundings) would differ."""
+    from core.quantization.fp8 import four_bit_is_exact
+    from core.quantization.writers import pack_int32
+
+    rows, cols, group = 16, 256, 128
+    gen = torch.Generator().manual_seed(29)
+    q = torch.randint(-8, 8, (rows, cols), generator=gen)
+    z = torch.randint(-8, 8, (rows, cols // group), generator=gen) if not symmetric else torch.zeros(rows, 2).long()
+    full = torch.rand(rows, cols // group, generator=gen) + 0.5
+    full = (full.view(torch.int32) | 1).view(torch.float32)  # 24 significant bits
+    short = (full.view(torch.int32) & ~0xF).view(torch.float32)  # 20
+    assert four_bit_is_exact(short) and not four_bit_is_exact(full)
+    config = {**W4A16, "symmetric": symmetric}
+    method = resolve_quantization(None, _Config(_ct(config)), None, _Everything)
+    for scale, bits in ((short, 4), (full, 8)):
+        parts = {"weight_packed": pack_int32((q + 8).to(torch.uint8), 1), "weight_scale": scale,
+                 "weight_shape": torch.tensor([rows, cols])}
+        if not symmetric:
+            parts["weight_zero_point"] = pack_int32((z + 8).to(torch.uint8), 0)
+        (_, weight), = list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in parts.items())))
+        s = scale.repeat_interleave(group, 1)
+        want = (q - z.repeat_interleave(group, 1)).float() * s
+        assert weight.bits == bits and torch.equal(weight.dequantize(), want)
+        two_roundings = (q + 8).float() * s + (-((z + 8).float() * scale)).repeat_interleave(group, 1)
+        assert torch.equal(two_roundings, want) == (bits == 4)
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor) -> bool:
