@@ -167,10 +167,13 @@ class CompressedTensorsMethod(QuantizationMethod):
       dequantization (checked against it in tests/integration/test_quant_checkpoints.py).
       Restated as a 4-bit :class:`IntWeight` (codes ``q + 8``, ``min = -(z + 8) * scale``,
       what the int4 kernels take, as for AWQ) where that dequantizes to exactly those floats:
-      whenever every scale has at most 20 significant bits (:func:`four_bit_is_exact`; fp16
-      and bf16 scales, what checkpoints store, always do). Otherwise (float32 scales with
-      more bits) as an 8-bit one holding ``q - z`` (-15..15), exact in any case: the CUDA
-      platform then keeps int8 codes (half of bf16's bytes, not a quarter). Activation order
+      whenever every scale has at most 20 significant bits and is below 2^124
+      (:func:`four_bit_is_exact`; fp16 and bf16 scales, what checkpoints store, always are,
+      bar bf16 ones of 2^124 or more). Otherwise (float32 scales with more bits) as an 8-bit
+      one holding ``q - z`` (-15..15), exact in any case: the CUDA platform then keeps int8
+      codes (half of bf16's bytes, not a quarter). The choice is per module; a fused layer
+      whose parts differ joins as 8-bit codes (:func:`core.quantization.tensors.cat_rows`).
+      Activation order
       ``actorder: "group"`` (GPTQ's desc_act; older compressed-tensors) adds
       ``weight_g_idx`` int32 ``[K]``, input ``c`` in group ``g_idx[c]``: the codes are restated
       in group order with the permutation (:attr:`IntWeight.perm`), as for GPTQ; ``"weight"``
@@ -355,7 +358,7 @@ class CompressedTensorsMethod(QuantizationMethod):
                            fmt="compressed-tensors")
 
     def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
-        if self._int:  # 4-bit codes with zero point 8, as checkpoint_weights restates a symmetric checkpoint
+        if self._int:  # 4-bit codes with zero point 8: a symmetric checkpoint's 16-bit-scale form
             w = dummy_int4(rows, cols, self._int_group(cols), generator, std)
             return IntWeight(4, w.codes, w.scales, -8 * w.scales, w.group)
         return dummy_fp8(rows, cols, generator, std)

@@ -9,9 +9,9 @@
   act-order keeps its input permutation beside the codes.
 
 Both forms are exact restatements of their checkpoint: every reader derives scales and mins
-with float32 operations that introduce no rounding (products of 16-bit floats and small
-integers), so :meth:`dequantize` in float32 gives the same numbers as the format's own
-definition. A form is what a linear layer's loader shards (``narrow``), reorders
+with float32 operations that introduce no rounding (products of small integers and floats of
+at most 20 significant bits, e.g. 16-bit ones), so :meth:`dequantize` in float32 gives the
+same numbers as the format's own definition. A form is what a linear layer's loader shards (``narrow``), reorders
 (``index_rows``) and joins (:func:`cat_rows`) like a dense weight, before a platform's
 linear method packs it for its kernels or dequantizes it into a dense weight.
 """
@@ -109,6 +109,23 @@ class IntWeight:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    def as_signed_int8(self) -> IntWeight | None:
+        """This 4-bit weight as 8-bit codes ``code - z`` without mins, where every min is
+        ``-z * scale`` for an integer zero point z in 0..15 (else None): the same floats
+        wherever ``code * scale + min`` is exact, as for the 4-bit form of compressed-tensors
+        W4A16 (core.quantization.fp8.four_bit_is_exact)."""
+        if self.bits != 4:
+            return None
+        s = self.scales.float()
+        if self.mins is None:
+            z = torch.zeros_like(s)
+        else:
+            z = torch.where(s == 0, 0.0, -self.mins.float() / s).round()
+            if (z < 0).any() or (z > 15).any() or not torch.equal(-(z * s), self.mins.float()):
+                return None
+        codes = self.codes.to(torch.int16) - _expand(z, self.group, self.codes.shape[1]).to(torch.int16)
+        return IntWeight(8, codes.to(torch.int8), self.scales, None, self.group, self.perm)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in input-feature order (``perm`` undone)."""
         cols = self.codes.shape[1]
@@ -163,6 +180,12 @@ def cat_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         return Fp8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), group)
+    if any(p.bits != first.bits for p in parts):
+        # compressed-tensors W4A16 picks 4 or 8 bits per module (by its scales: fp8.py): a fused
+        # layer whose parts came out differently joins as 8-bit codes, exact for both
+        as_8 = [p if p.bits == 8 else p.as_signed_int8() for p in parts]
+        if all(p is not None and p.mins is None for p in as_8):
+            parts, first = as_8, as_8[0]
     if any(p.bits != first.bits or p.group != first.group or (p.mins is None) != (first.mins is None)
            for p in parts):
         raise ValueError(f"{what}: the fused projections use different bit widths or group sizes")

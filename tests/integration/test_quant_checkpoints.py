@@ -241,7 +241,7 @@ def test_fp8_quantization_on_load_of_a_dense_checkpoint(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "fp8-block", "ct-tensor", "ct-w4a16",
-                                 "ct-w4a16-group-actorder"])
+                                 "ct-w4a16-channel", "ct-w4a16-group-actorder"])
 def test_kept_quantized_path_gives_the_dequantized_logits(checkpoints, fmt):
     config = _quantized_config(checkpoints[fmt][0])
     dense = load_model(config, cpu_context(), ModelRegistry())

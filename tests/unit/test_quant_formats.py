@@ -297,6 +297,11 @@ def test_compressed_tensors_w4a16_is_4_bit_exactly_where_its_scales_allow(symmet
     full = (full.view(torch.int32) | 1).view(torch.float32)  # 24 significant bits
     short = (full.view(torch.int32) & ~0xF).view(torch.float32)  # 20
     assert four_bit_is_exact(short) and not four_bit_is_exact(full)
+    one = torch.ones(1)
+    for bits in (0b0010, 0b0100, 0b1000, 0b1110):  # any of the low 4 mantissa bits set: 21+ bits
+        assert not four_bit_is_exact((one.view(torch.int32) | bits).view(torch.float32))
+    assert four_bit_is_exact(torch.tensor([2.0**123, 0.0, -3.5, 2.0**-140]))  # large, zero, negative, subnormal
+    assert not four_bit_is_exact(torch.tensor([2.0**124]))  # 16 x 2^124 overflows: no room for the products
     config = {**W4A16, "symmetric": symmetric}
     method = resolve_quantization(None, _Config(_ct(config)), None, _Everything)
     for scale, bits in ((short, 4), (full, 8)):
@@ -310,6 +315,38 @@ def test_compressed_tensors_w4a16_is_4_bit_exactly_where_its_scales_allow(symmet
         assert weight.bits == bits and torch.equal(weight.dequantize(), want)
         two_roundings = (q + 8).float() * s + (-((z + 8).float() * scale)).repeat_interleave(group, 1)
         assert torch.equal(two_roundings, want) == (bits == 4)
+
+
+def test_a_fused_w4a16_layer_whose_parts_differ_in_width_joins_as_8_bit_codes():
+    """compressed-tensors W4A16 picks its form per module: a q projection with float32 scales
+    (8-bit codes) fused with a k projection whose scales fit 20 bits (4-bit codes) joins as
+    8-bit codes with the same floats; a 4-bit part whose mins are not integer multiples of its
+    scales (GGUF Q4_1's free mins) cannot, and is refused naming the layer."""
+    from core.quantization.tensors import cat_rows
+    from core.quantization.writers import pack_int32
+
+    gen = torch.Generator().manual_seed(31)
+    method = resolve_quantization(None, _Config(_ct({**W4A16, "symmetric": False})), None, _Everything)
+
+    def layer(scale):
+        q = torch.randint(-8, 8, (8, 256), generator=gen)
+        z = torch.randint(-8, 8, (8, 2), generator=gen)
+        parts = {"weight_packed": pack_int32((q + 8).to(torch.uint8), 1), "weight_scale": scale,
+                 "weight_shape": torch.tensor([8, 256]), "weight_zero_point": pack_int32((z + 8).to(torch.uint8), 0)}
+        (_, w), = list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in parts.items())))
+        return w
+
+    full = ((torch.rand(8, 2, generator=gen) + 0.5).view(torch.int32) | 1).view(torch.float32)
+    q_proj, k_proj = layer(full), layer(torch.rand(8, 2, generator=gen).half().float() + 0.5)
+    assert (q_proj.bits, k_proj.bits) == (8, 4)
+    for parts in ([q_proj, k_proj], [k_proj, q_proj]):
+        joined = cat_rows(parts, "qkv_proj")
+        assert joined.bits == 8 and joined.mins is None
+        assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    free = IntWeight(4, k_proj.codes, k_proj.scales, k_proj.mins + 1e-3, k_proj.group)
+    assert free.as_signed_int8() is None
+    with pytest.raises(ValueError, match="qkv_proj: the fused projections use different bit widths"):
+        cat_rows([q_proj, free], "qkv_proj")
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor) -> bool:
