@@ -116,13 +116,10 @@ class IntWeight:
         W4A16 (core.quantization.fp8.four_bit_is_exact)."""
         if self.bits != 4:
             return None
-        s = self.scales.float()
-        if self.mins is None:
-            z = torch.zeros_like(s)
-        else:
-            z = torch.where(s == 0, 0.0, -self.mins.float() / s).round()
-            if (z < 0).any() or (z > 15).any() or not torch.equal(-(z * s), self.mins.float()):
-                return None
+        z = torch.zeros_like(self.scales.float()) if self.mins is None else integer_zero_points(self.scales,
+                                                                                               self.mins, 15)
+        if z is None:
+            return None
         codes = self.codes.to(torch.int16) - _expand(z, self.group, self.codes.shape[1]).to(torch.int16)
         return IntWeight(8, codes.to(torch.int8), self.scales, None, self.group, self.perm)
 
@@ -163,6 +160,20 @@ class IntWeight:
 
 
 QuantizedWeight = Fp8Weight | IntWeight
+
+
+def integer_zero_points(scales: torch.Tensor, mins: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """The zero points z (float32, integers in 0..limit) with ``mins == -z * scales`` exactly in
+    float32, or None where the scales are not all finite, any group's min is not such a
+    multiple (GGUF Q4_1 and Q4_K have free mins) or a z falls outside 0..limit. A zero scale's
+    group takes z = 0 (all its weights are its min, which must then be 0)."""
+    s, m = scales.float(), mins.float()
+    if not torch.isfinite(s).all():
+        return None
+    z = torch.where(s == 0, 0.0, -m / s).round()
+    if (z < 0).any() or (z > limit).any() or not torch.equal(-(z * s), m):
+        return None
+    return z
 
 
 def is_quantized(t: object) -> bool:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from core.quantization.base import QuantizationMethod
 from core.quantization.linear import KeptQuantizedLinear
-from core.quantization.tensors import FP8_MAX, Fp8Weight, QuantizedWeight
+from core.quantization.tensors import FP8_MAX, Fp8Weight, QuantizedWeight, integer_zero_points
 from platforms.cuda.build import load_ops
 
 logger = logging.getLogger(__name__)
@@ -89,13 +89,8 @@ def integer_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | No
     falls outside 0..ZERO_LIMIT. AWQ and GPTQ (``min = -z * s``, exact for their fp16 scales:
     core/quantization/int4.py) and GGUF Q4_0 (``-8 d``, d of either sign) have them; with
     them the tensor-core GEMV computes ``(q - z) * s``, where ``q * s + min`` rounds twice."""
-    s, m = scales.float(), mins.float()
-    if not torch.isfinite(s).all():
-        return None
-    z = torch.where(s == 0, 0.0, -m / s).round()  # a zero scale's group: all zeros, if its min is
-    if (z < 0).any() or (z > ZERO_LIMIT).any() or not torch.equal(-(z * s), m):
-        return None
-    return z.to(torch.uint8)
+    z = integer_zero_points(scales, mins, ZERO_LIMIT)
+    return None if z is None else z.to(torch.uint8)
 
 
 def _pack(weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
