@@ -4,7 +4,8 @@
 linear layer's slices (q, k and v of a fused QKV layer, say) are collected; ``prepare``
 joins them into one quantized weight and asks the subclass to :meth:`~KeptQuantizedLinear.pack`
 it for its kernels, then drops the dense placeholder. A layer whose checkpoint weight is dense
-(a GGUF Q6_K tensor, a layer a checkpoint left unquantized) or that the kernels cannot take
+(a GGUF Q6_K tensor, a layer a checkpoint left unquantized), whose fused parts are quantized
+in forms that cannot be joined (GGUF Q4_K beside Q8_0; logged) or that the kernels cannot take
 is made dense in the compute dtype instead, so every model loads.
 
 :class:`ReferenceQuantizedLinear` is the plain-torch subclass (dequantize, then multiply):
@@ -14,6 +15,7 @@ the kept-quantized loading path.
 
 from __future__ import annotations
 
+import logging
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
@@ -25,12 +27,14 @@ from torch import nn
 
 from core.models.layers import LinearMethod
 from core.quantization.base import QuantizationMethod
-from core.quantization.tensors import QuantizedWeight, cat_rows, is_quantized
+from core.quantization.tensors import MixedFusedForms, QuantizedWeight, cat_rows, is_quantized
 
 if TYPE_CHECKING:
     from core.config import ModelConfig
     from core.models import ModelContext
     from core.platform import Platform
+
+logger = logging.getLogger(__name__)
 
 _STAYS_DENSE = "dense"
 """``packed_weight`` of a layer that runs densely (a dense checkpoint weight, or a form the
@@ -109,7 +113,12 @@ class KeptQuantizedLinear(LinearMethod, metaclass=ABCMeta):
             )
         packed = None
         if all(is_quantized(p) for p in ordered):
-            packed = self.pack(cat_rows(ordered, layer.extra_repr()), self.device)
+            try:
+                joined = cat_rows(ordered, layer.extra_repr())
+            except MixedFusedForms as e:  # correct densely, at the dense weight's size and speed
+                logger.warning("%s: this layer runs densely in %s", e, self.dtype)
+            else:
+                packed = self.pack(joined, self.device)
         if packed is None:
             dense = torch.cat([p.dequantize(self.dtype) if is_quantized(p) else p for p in ordered])
             layer.weight = nn.Parameter(dense.to(self.device), requires_grad=False)

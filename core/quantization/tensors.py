@@ -180,13 +180,20 @@ def is_quantized(t: object) -> bool:
     return isinstance(t, (Fp8Weight, IntWeight))
 
 
+class MixedFusedForms(ValueError):
+    """The parts of a fused layer are quantized in forms that cannot be joined exactly (a GGUF
+    Q4_K q projection beside a Q8_0 v projection, different group sizes, act-order orders);
+    a kept-quantized linear method then runs that layer densely."""
+
+
 def cat_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
-    """Stack the rows of several quantized weights of one kind (fused q/k/v, gate/up)."""
+    """Stack the rows of several quantized weights of one kind (fused q/k/v, gate/up); raises
+    :class:`MixedFusedForms` where they cannot be joined exactly."""
     first = parts[0]
     if len(parts) == 1:
         return first
     if any(type(p) is not type(first) or p.shape[1] != first.shape[1] for p in parts):
-        raise ValueError(f"{what}: the fused projections are stored in different quantized forms")
+        raise MixedFusedForms(f"{what}: the fused projections are stored in different quantized forms")
     if isinstance(first, Fp8Weight):
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
@@ -199,11 +206,11 @@ def cat_rows(parts: list[QuantizedWeight], what: str) -> QuantizedWeight:
             parts, first = as_8, as_8[0]
     if any(p.bits != first.bits or p.group != first.group or (p.mins is None) != (first.mins is None)
            for p in parts):
-        raise ValueError(f"{what}: the fused projections use different bit widths or group sizes")
+        raise MixedFusedForms(f"{what}: the fused projections use different bit widths or group sizes")
     perms = [p.perm for p in parts]
     if any((q is None) != (perms[0] is None) or (q is not None and not torch.equal(q, perms[0]))
            for q in perms):
-        raise ValueError(
+        raise MixedFusedForms(
             f"{what}: the fused projections have different act-order permutations (g_idx); "
             "core fuses q/k/v and gate/up, which needs one input order per fused layer"
         )

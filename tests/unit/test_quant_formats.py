@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -347,6 +349,37 @@ def test_a_fused_w4a16_layer_whose_parts_differ_in_width_joins_as_8_bit_codes():
     assert free.as_signed_int8() is None
     with pytest.raises(ValueError, match="qkv_proj: the fused projections use different bit widths"):
         cat_rows([q_proj, free], "qkv_proj")
+
+
+def test_a_fused_gguf_layer_of_mixed_block_types_runs_densely(caplog):
+    """GGUF files mix block types inside what core fuses (q and k as Q4_K, v as Q8_0): the
+    parts cannot be joined exactly, so the kept-quantized method runs that layer densely - the
+    same products as the checkpoint's dequantized weights - and says so in the log, instead of
+    failing the load. A layer whose parts share a form stays quantized."""
+    from core.models.layers import QKVParallelLinear
+    from core.quantization.gguf import Q4_K, Q8_0, GgufMethod
+    from core.quantization.linear import ReferenceQuantizedLinear
+    from tests.helpers import cpu_context
+
+    def qkv(types):
+        ctx = dataclasses.replace(cpu_context(), linear_method=ReferenceQuantizedLinear(GgufMethod(None), torch.float32))
+        layer = QKVParallelLinear(256, 32, 4, 2, ctx)
+        parts = {s: gguf_int_weight(_random_blocks(t, rows, 256, seed=i), t, (rows, 256))
+                 for i, (s, t, rows) in enumerate(zip("qkv", types, (128, 64, 64)))}
+        for s, w in parts.items():
+            layer.load_weight("weight", w, shard=s)
+        return layer, torch.cat([parts[s].dequantize() for s in "qkv"])
+
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING", logger="core.quantization.linear"):
+        mixed, dense = qkv((Q4_K, Q4_K, Q8_0))
+        out = mixed(x)
+    assert mixed.packed_weight == "dense" and torch.equal(mixed.weight, dense)
+    torch.testing.assert_close(out, x @ dense.T)
+    assert "different bit widths" in caplog.text and "runs densely in torch.float32" in caplog.text
+    same, _ = qkv((Q4_K, Q4_K, Q4_K))
+    same(x)
+    assert isinstance(same.packed_weight.weight, IntWeight) and same.weight.numel() == 0
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor) -> bool:
