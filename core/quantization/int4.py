@@ -1,4 +1,5 @@
-"""4-bit weight-only checkpoints: AWQ (GEMM packing) and GPTQ (with or without act-order).
+"""Integer weight-only checkpoints: AWQ (4-bit, GEMM packing) and GPTQ (4- or 8-bit, with or
+without act-order).
 
 Both store, per linear layer ``X`` with K inputs and N outputs, 4-bit codes packed eight to
 an int32, float16 scales and packed 4-bit zero points per group of G inputs (G is
@@ -19,6 +20,13 @@ They differ in the packing:
 Both are restated as :class:`~core.quantization.tensors.IntWeight` ``[N, K]`` with
 ``scale = s`` and ``min = -z * s`` (exact in float32). For act-order GPTQ the inputs are
 sorted by group so each group is contiguous, and the order is kept as ``perm``.
+
+8-bit GPTQ (``bits: 8``, e.g. the GPTQ-Int8 releases) packs four codes to an int32 the same
+ways (byte ``i`` of qweight row ``r`` is input ``4r + i``; qzeros four zero points a word,
+``z - 1`` in v1). It becomes 8-bit codes ``q - 128`` (int8) with ``min = (128 - z) * s``, or
+no mins where every ``z`` is 128 (``sym: true``): the same floats, exactly (every product and
+sum fits float32's 24 bits), in the form the CUDA int8 GEMV keeps (without mins) or the
+platforms dequantize (with them).
 """
 
 from __future__ import annotations
@@ -35,13 +43,14 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ's nibble order: nibble i of a packed word holds output 8c + AWQ_ORDER[i]."""
 
 
-def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 words holding eight 4-bit values -> uint8 codes, 8x longer along ``dim``;
-    ``order[i]`` is the position (within its 8) of the value in nibble i (None: i)."""
+def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
+    """int32 words holding 32 / bits values (4 or 8 bits) -> uint8 codes, that many times longer
+    along ``dim``; ``order[i]`` is the position (within its word) of value i (None: i)."""
     words = packed.to(torch.int32)
-    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1)  # [..., 8]
+    per = 32 // bits
+    nibbles = torch.stack([(words >> (bits * i)) & ((1 << bits) - 1) for i in range(per)], dim=-1)  # [..., per]
     if order is not None:
-        inverse = [order.index(p) for p in range(8)]
+        inverse = [order.index(p) for p in range(per)]
         nibbles = nibbles[..., inverse]
     nibbles = nibbles.to(torch.uint8)
     if dim in (-1, packed.dim() - 1):
@@ -50,17 +59,23 @@ def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None =
 
 
 def _int_weight(q_kn: torch.Tensor, z_gn: torch.Tensor, s_gn: torch.Tensor, group: int,
-                perm: torch.Tensor | None = None) -> IntWeight:
-    """IntWeight [N, K] from codes [K, N], zero points and scales [K / G, N]."""
+                perm: torch.Tensor | None = None, bits: int = 4) -> IntWeight:
+    """IntWeight [N, K] from codes [K, N], zero points and scales [K / G, N] (8 bits: codes
+    q - 128, mins (128 - z) * s, none where every z is 128; module docstring)."""
     scales = s_gn.float().t().contiguous()
-    mins = -(z_gn.float().t() * scales)
-    return IntWeight(4, q_kn.t().contiguous(), scales, mins.contiguous(), group, perm)
+    z = z_gn.float().t()
+    if bits == 8:
+        codes = (q_kn.t().to(torch.int16) - 128).to(torch.int8).contiguous()
+        mins = None if bool((z == 128).all()) else ((128 - z) * scales).contiguous()
+        return IntWeight(8, codes, scales, mins, group, perm)
+    return IntWeight(4, q_kn.t().contiguous(), scales, (-(z * scales)).contiguous(), group, perm)
 
 
-def _check_bits(method: str, config: dict[str, Any], key: str = "bits") -> int:
+def _check_bits(method: str, config: dict[str, Any], key: str = "bits", supported: tuple[int, ...] = (4,)) -> int:
     bits = config.get(key, config.get("w_bit"))
-    if bits != 4:
-        raise ValueError(f"{method} checkpoint with {bits}-bit weights is not supported; supported: 4-bit")
+    if bits not in supported:
+        raise ValueError(f"{method} checkpoint with {bits}-bit weights is not supported; supported: "
+                         + ", ".join(f"{b}-bit" for b in supported))
     group = config.get("group_size", config.get("q_group_size", 128))
     if not isinstance(group, int) or group <= 0 or group % 32:
         raise ValueError(
@@ -109,7 +124,7 @@ class AwqMethod(QuantizationMethod):
 
 
 class GptqMethod(QuantizationMethod):
-    """GPTQ 4-bit checkpoints (``checkpoint_format`` gptq or gptq_v2, ``desc_act`` either)."""
+    """GPTQ 4- and 8-bit checkpoints (``checkpoint_format`` gptq or gptq_v2, ``desc_act`` either)."""
 
     name = "gptq"
     aliases = ("gptq_marlin",)
@@ -118,7 +133,7 @@ class GptqMethod(QuantizationMethod):
     def from_config(cls, config: dict[str, Any] | None) -> GptqMethod:
         if config is None:
             return super().from_config(config)
-        _check_bits("GPTQ", config)
+        _check_bits("GPTQ", config, supported=(4, 8))
         fmt = config.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
@@ -128,26 +143,37 @@ class GptqMethod(QuantizationMethod):
     def group(self) -> int:
         return self.config.get("group_size", 128)
 
+    @property
+    def bits(self) -> int:
+        return self.config.get("bits", 4)
+
     def describe(self) -> str:
         act = "act-order" if self.config.get("desc_act") else "no act-order"
-        return f"gptq (4-bit, group {self.group}, {act})"
+        return f"gptq ({self.bits}-bit, group {self.group}, {act})"
 
     def checkpoint_weights(self, weights: Weights) -> Weights:
         v1 = self.config.get("checkpoint_format", "gptq") == "gptq"
         required = ("qweight", "qzeros", "scales") + (("g_idx",) if self.config.get("desc_act") else ())
 
+        bits = self.bits
+
         def build(module: str, p: dict[str, Any]) -> IntWeight:
-            q = unpack_int32(p["qweight"], 0)  # [K, N]
-            z = unpack_int32(p["qzeros"], 1).to(torch.int16) + (1 if v1 else 0)  # [K / G, N]
+            q = unpack_int32(p["qweight"], 0, bits=bits)  # [K, N]
+            z = unpack_int32(p["qzeros"], 1, bits=bits).to(torch.int16) + (1 if v1 else 0)  # [K / G, N]
             _check_shapes(module, q, z, p["scales"], self.group)
             perm = act_order_perm(module, p.get("g_idx"), q.shape[0], self.group)
             if perm is not None:
                 q = q[perm]
-            return _int_weight(q, z, p["scales"], self.group, perm)
+            return _int_weight(q, z, p["scales"], self.group, perm, bits)
 
         return group_parts(weights, required, build, optional=("g_idx",), fmt="GPTQ")
 
     def dummy_weight(self, rows, cols, generator, std) -> IntWeight:
+        if self.bits == 8:
+            dev = generator.device
+            codes = torch.randint(-127, 128, (rows, cols), generator=generator, device=dev).to(torch.int8)
+            scales = torch.full((rows, cols // self.group), std / 73.3, device=dev)  # uniform -127..127: std ~73.3
+            return IntWeight(8, codes, scales, None, self.group)
         return dummy_int4(rows, cols, self.group, generator, std)
 
 

@@ -7,12 +7,13 @@ and know the exact dequantized weights (:func:`quantize_state`). compressed-tens
 checkpoints are written by the ``compressed-tensors`` library itself in the tests, except
 group act-order, which the installed library no longer writes (ct-w4a16-group-actorder).
 
-    python -m core.quantization.writers SRC DST --format awq|gptq|gptq-act-order|fp8-block|ct-w4a16-group-actorder
+    python -m core.quantization.writers SRC DST --format awq|gptq|gptq-act-order|gptq-int8|fp8-block|ct-w4a16-group-actorder
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -26,14 +27,15 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """Llama-family linear layers a writer quantizes (the LM head and embeddings stay dense)."""
 
 
-def pack_int32(codes: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """uint8 codes 0..15 -> int32 words of eight, along ``dim``; nibble ``i`` holds the
-    value at position ``order[i]`` of its 8 (None: ``i``)."""
+def pack_int32(codes: torch.Tensor, dim: int, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
+    """uint8 codes of ``bits`` (4 or 8) bits -> int32 words of 32 / bits, along ``dim``; value
+    ``i`` of a word holds the code at position ``order[i]`` of its group (None: ``i``)."""
+    per = 32 // bits
     c = codes.to(torch.int64).movedim(dim, -1)
-    c = c.unflatten(-1, (-1, 8))
+    c = c.unflatten(-1, (-1, per))
     if order is not None:
         c = c[..., list(order)]
-    words = sum(c[..., i] << (4 * i) for i in range(8))
+    words = sum(c[..., i] << (bits * i) for i in range(per))
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     return words.movedim(-1, dim).contiguous()
 
@@ -69,23 +71,31 @@ def awq_tensors(w: torch.Tensor, group: int) -> Quantized:
     return parts, ref.contiguous()
 
 
-def gptq_tensors(w: torch.Tensor, group: int, perm: torch.Tensor | None = None) -> Quantized:
-    """A dense [N, K] weight as GPTQ v1 tensors (zero points stored minus one, so they are
-    kept >= 1); with ``perm`` (act-order) inputs ``perm[j * group : (j + 1) * group]`` form
-    group ``j``."""
+def _sym_int8(w_groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., G] float -> GPTQ's symmetric 8-bit form: codes round(w / s) + 128 in 0..255,
+    zero points 128, fp16 scales 2 max|w| / 255 per group."""
+    scale = (w_groups.abs().amax(-1) * 2 / 255).clamp(min=1e-6).half()
+    codes = (torch.round(w_groups / scale.float()[..., None]) + 128).clamp(0, 255)
+    return codes.to(torch.uint8), torch.full(scale.shape, 128, dtype=torch.uint8), scale
+
+
+def gptq_tensors(w: torch.Tensor, group: int, perm: torch.Tensor | None = None, bits: int = 4) -> Quantized:
+    """A dense [N, K] weight as GPTQ v1 tensors (zero points stored minus one, so 4-bit ones
+    are kept >= 1; 8-bit: symmetric, as the GPTQ-Int8 releases); with ``perm`` (act-order)
+    inputs ``perm[j * group : (j + 1) * group]`` form group ``j``."""
     n, k = w.shape
     order = perm if perm is not None else torch.arange(k)
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // group).to(torch.int32)
     grouped = w.float().t()[order].reshape(k // group, group, n).transpose(1, 2)  # [K / G, N, G]
-    codes, zero, scale = _asym_int4(grouped, min_zero=1)
+    codes, zero, scale = _sym_int8(grouped) if bits == 8 else _asym_int4(grouped, min_zero=1)
     ref_sorted = _int4_reference(codes, zero, scale).transpose(1, 2).reshape(k, n)
     ref = torch.empty_like(ref_sorted)
     ref[order] = ref_sorted
     codes_sorted = codes.transpose(1, 2).reshape(k, n)
     codes_kn = torch.empty_like(codes_sorted)
     codes_kn[order] = codes_sorted
-    parts = {"qweight": pack_int32(codes_kn, 0), "qzeros": pack_int32(zero - 1, 1),
+    parts = {"qweight": pack_int32(codes_kn, 0, bits=bits), "qzeros": pack_int32(zero - 1, 1, bits=bits),
              "scales": scale.contiguous(), "g_idx": g_idx}
     return parts, ref.t().contiguous()
 
@@ -134,6 +144,8 @@ FORMATS = {
              "checkpoint_format": "gptq"},
     "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False,
                        "checkpoint_format": "gptq"},
+    "gptq-int8": {"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False, "sym": True,
+                  "checkpoint_format": "gptq"},
     "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                   "weight_block_size": [128, 128]},
     # compressed-tensors W4A16 with group act-order: what compressed-tensors < 0.20 wrote (the
@@ -150,6 +162,7 @@ FORMATS = {
 ORDERED_INT4_WRITERS = {
     "gptq": (gptq_tensors, False),
     "gptq-act-order": (gptq_tensors, True),
+    "gptq-int8": (functools.partial(gptq_tensors, bits=8), False),
     "ct-w4a16-group-actorder": (ct_w4a16_tensors, True),
 }
 """Formats whose writer takes an input order: (writer, whether the format is act-order)."""
@@ -167,7 +180,7 @@ def quantize_state(state: dict[str, torch.Tensor], fmt: str, seed: int = 0
 
     Act-order GPTQ draws one random input order per distinct input (projections that share
     an input share it, as GPTQ's Hessian ordering does)."""
-    group = FORMATS[fmt].get("group_size", 128)  # (128 for every int4 format here)
+    group = FORMATS[fmt].get("group_size", 128)  # (128 for every integer format here)
     gen = torch.Generator().manual_seed(seed)
     perms: dict[str, torch.Tensor] = {}
     out, reference = {}, {}

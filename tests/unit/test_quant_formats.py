@@ -41,6 +41,34 @@ def test_gptq_packing_matches_the_format_definition():
     assert torch.equal(unpack_int32(word, 0), codes)
 
 
+def test_gptq_8_bit_packing_matches_the_format_definition():
+    """GPTQ bits 8: byte i of qweight row r holds input 4r + i (lowest byte first), qzeros four
+    outputs a word likewise; a symmetric checkpoint (every zero point 128, stored as 127 in v1)
+    loads as int8 codes q - 128 without mins, an asymmetric one with mins (128 - z) * s: the
+    format's (q - z) * s, bit for bit."""
+    from core.quantization.int4 import GptqMethod
+
+    codes = torch.tensor([[0x11], [0x22], [0x33], [0xF4]], dtype=torch.uint8)  # [K=4, N=1]
+    word = pack_int32(codes, 0, bits=8)
+    assert word.item() == np.int32(np.uint32(0xF4332211)).item()
+    assert torch.equal(unpack_int32(word, 0, bits=8), codes)
+    gen = torch.Generator().manual_seed(8)
+    k, n, g = 256, 8, 128
+    q = torch.randint(0, 256, (k, n), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(k // g, n, generator=gen) * 0.01 + 0.001).half()
+    method = GptqMethod.from_config({"quant_method": "gptq", "bits": 8, "group_size": g, "desc_act": False})
+    assert method.describe().startswith("gptq (8-bit")
+    for z in (torch.full((k // g, n), 128, dtype=torch.uint8), torch.randint(1, 256, (k // g, n), generator=gen,
+                                                                             dtype=torch.uint8)):
+        parts = {"qweight": pack_int32(q, 0, bits=8), "qzeros": pack_int32(z - 1, 1, bits=8), "scales": s}
+        (_, w), = list(method.checkpoint_weights(iter((f"l.{key}", v) for key, v in parts.items())))
+        want = ((q.float() - z.float().repeat_interleave(g, 0)) * s.float().repeat_interleave(g, 0)).t()
+        assert w.bits == 8 and w.codes.dtype == torch.int8 and (w.mins is None) == bool((z == 128).all())
+        assert torch.equal(w.dequantize(), want)
+    with pytest.raises(ValueError, match="3-bit weights is not supported; supported: 4-bit, 8-bit"):
+        GptqMethod.from_config({"quant_method": "gptq", "bits": 3, "group_size": g})
+
+
 def _random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random GGUF blocks with finite fp16 scales at the format's offsets."""
     from gguf.constants import GGML_QUANT_SIZES
