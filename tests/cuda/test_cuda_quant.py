@@ -541,7 +541,7 @@ def _agreement(a, b) -> float:
     return same / sum(len(p) for p in a)
 
 
-FORMATS = ["awq", "gptq-act-order", "fp8-block"]
+FORMATS = ["awq", "gptq-act-order", "gptq-int8", "fp8-block"]
 
 
 def _tiny_checkpoint(tmp_path, fmt):
@@ -553,7 +553,7 @@ def _tiny_checkpoint(tmp_path, fmt):
     return write_quantized(src, tmp_path / fmt, fmt)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "gptq-int8"])
 def test_tiny_checkpoints_on_cuda_agree_with_cpu(tmp_path, fmt):
     """Greedy chains, CUDA bf16 vs the CPU fp32 run of the same checkpoint. Not fp8-block:
     its W8A8 prefill rounds activations to 3 mantissa bits, which turns bf16's rounding
