@@ -16,6 +16,7 @@
 #include "cuda_compat.h"
 #include "dtype_traits.cuh"
 #include "gemv.h"
+#include "paired_epilogue.cuh"
 
 namespace core_kernels {
 namespace {
@@ -36,8 +37,8 @@ __device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
 // d + j, writing round(round(silu(round(g))) * round(u)) to out[m, j]: the values of this
 // kernel followed by silu_and_mul (csrc/fused_ops.cu), without the second kernel. kRope, the
 // weight is a fused QKV projection and a warp takes features j and j + rotary_dim / 2 of one
-// query or key head, rotating them as rotary_kernel does (or two unrotated features).
-enum Epilogue { kPlain = 0, kSiluMul = 1, kRope = 2 };
+// query or key head, rotating them as rotary_kernel does (or two unrotated features); the
+// pairing and the two epilogues are paired_epilogue.cuh's, shared with the quantized GEMV.
 
 template <typename T, int M, int kRows, int kSplit, int kEpi>
 __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a, const int prefetch_lines) {
@@ -57,26 +58,11 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
   const S* w = static_cast<const S*>(a.w);
   const S* x = static_cast<const S*>(a.x);
   int rows[kRows];
-  int rope_j = -1;  // kRope: the pair's cos/sin index, or -1 for two plain rows
-  if constexpr (kGated) {
-    rows[0] = n0;
-    rows[1] = n_out + n0;
-  } else if constexpr (kEpi == kRope) {
-    const int half_head = a.head_size / 2;
-    if (n0 < a.rope_heads * half_head) {
-      const int h = n0 / half_head, j = n0 - h * half_head, base = h * a.head_size;
-      if (j < a.rotary_dim / 2) {  // features j and j + rotary_dim / 2 of head h
-        rows[0] = base + j;
-        rows[1] = base + j + a.rotary_dim / 2;
-        rope_j = j;
-      } else {  // the head's unrotated tail, two features at a time
-        rows[0] = base + a.rotary_dim + 2 * (j - a.rotary_dim / 2);
-        rows[1] = rows[0] + 1;
-      }
-    } else {  // values
-      rows[0] = 2 * n0;
-      rows[1] = 2 * n0 + 1;
-    }
+  RowPair pair{};  // the paired epilogues' rows (paired_epilogue.cuh)
+  if constexpr (kPaired) {
+    pair = kGated ? silu_pair(n0, n_out) : rope_pair(n0, a.rope);
+    rows[0] = pair.row0;
+    rows[1] = pair.row1;
   } else {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) rows[r] = min(n0 + r, a.n - 1);  // tail rows recompute n-1
@@ -158,29 +144,10 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
   S* out = static_cast<S*>(a.out);
   if constexpr (kEpi == kRope) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      S* o = out + int64_t(m) * a.out_stride;
-      if (rope_j < 0) {
-        o[rows[0]] = T::from_float(acc[0][m]);
-        o[rows[1]] = T::from_float(acc[1][m]);
-        continue;
-      }
-      // As rotary_kernel (fused_ops.cu) computes it from the stored projection.
-      const float x1 = T::to_float1(T::from_float(acc[0][m]));
-      const float x2 = T::to_float1(T::from_float(acc[1][m]));
-      const float* cs = a.cos_sin + a.positions[m] * a.rotary_dim;
-      const float co = cs[rope_j], si = cs[a.rotary_dim / 2 + rope_j];
-      o[rows[0]] = T::from_float(x1 * co - x2 * si);
-      o[rows[1]] = T::from_float(x2 * co + x1 * si);
-    }
+    for (int m = 0; m < M; ++m) store_rope_pair<T>(out + int64_t(m) * a.out_stride, pair, acc[0][m], acc[1][m], a.rope, m);
   } else if constexpr (kGated) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float g = T::to_float1(T::from_float(acc[0][m]));
-      const float u = T::to_float1(T::from_float(acc[1][m]));
-      const float s = T::to_float1(T::from_float(g / (1.f + expf(-g))));  // as silu_and_mul_kernel
-      out[int64_t(m) * a.out_stride + n0] = T::from_float(s * u);
-    }
+    for (int m = 0; m < M; ++m) out[int64_t(m) * a.out_stride + n0] = silu_mul<T>(acc[0][m], acc[1][m]);
   } else {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -222,13 +189,10 @@ cudaError_t dispatch_m(const GemvArgs& a, cudaStream_t stream) {
 template <typename T>
 cudaError_t dispatch_rows(const GemvArgs& a, cudaStream_t stream) {
   const bool split = a.split_k != 1;
-  if (a.silu_and_mul || a.rope_heads > 0) {  // pairs of rows: two per warp
-    if (a.n % 2 != 0 || a.rows_per_warp != 2 || (a.silu_and_mul && a.rope_heads > 0)) return cudaErrorInvalidValue;
+  if (a.silu_and_mul || a.rope.heads > 0) {  // pairs of rows: two per warp
+    if (a.n % 2 != 0 || a.rows_per_warp != 2 || (a.silu_and_mul && a.rope.heads > 0)) return cudaErrorInvalidValue;
     if (a.silu_and_mul) return split ? dispatch_m<T, 2, kWarps, kSiluMul>(a, stream) : dispatch_m<T, 2, 1, kSiluMul>(a, stream);
-    if (a.head_size % 2 != 0 || a.rotary_dim % 2 != 0 || a.rotary_dim > a.head_size ||
-        int64_t(a.rope_heads) * a.head_size > a.n || a.positions == nullptr || a.cos_sin == nullptr) {
-      return cudaErrorInvalidValue;
-    }
+    if (!rope_spec_fits(a.rope, a.n)) return cudaErrorInvalidValue;
     // One or two rows (the decode steps the dense method sends; more rows spilled registers).
     switch (a.m) {
       case 1: return split ? launch<T, 1, 2, kWarps, kRope>(a, stream) : launch<T, 1, 2, 1, kRope>(a, stream);

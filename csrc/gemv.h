@@ -28,14 +28,8 @@ struct GemvArgs {
   int split_k;
   bool silu_and_mul;
   DType dtype;
-  // Rotary embedding in the epilogue (rope_heads > 0; rows_per_warp 2): w is a fused QKV
-  // weight whose first rope_heads heads of head_size rows (query, then key heads) are rotated
-  // as the rotary_embedding op (fused_ops.h) rotates them: features i and i + rotary_dim / 2
-  // of a head by cos_sin[positions[m]], each rounded to the storage dtype first; the rows
-  // past them (values) are plain. head_size, rotary_dim even; n even; m 1 or 2.
-  const int64_t* positions;  // [m]
-  const float* cos_sin;      // [max position, rotary_dim]: cos then sin halves
-  int rope_heads, head_size, rotary_dim;
+  // Rotary embedding in the epilogue (rope.heads > 0, launchers.h; rows_per_warp 2, m 1 or 2).
+  RopeSpec rope;
 };
 cudaError_t gemv(const GemvArgs& args, cudaStream_t stream);
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "gemv.h"
+#include "rope_args.h"
 
 namespace {
 
@@ -108,27 +109,11 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_
 void gemv_rope(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t split_k,
                const at::Tensor& positions, const at::Tensor& cos_sin, int64_t rope_heads, int64_t head_size,
                int64_t rotary_dim) {
-  TORCH_CHECK(rope_heads >= 1 && head_size >= 2 && head_size % 2 == 0 && rotary_dim >= 2 && rotary_dim % 2 == 0 &&
-                  rotary_dim <= head_size && rope_heads * head_size <= weight.size(0) && weight.size(0) % 2 == 0,
-              "core_C.gemv_rope: " + std::to_string(rope_heads) + " rotated heads of " + std::to_string(head_size) +
-                  " features (rotary_dim " + std::to_string(rotary_dim) + ") do not fit a weight of " +
-                  std::to_string(weight.size(0)) + " rows (need even sizes, rotary_dim <= head_size, an even row count)");
-  TORCH_CHECK(positions.is_cuda() && positions.device() == x.device() && positions.scalar_type() == at::kLong &&
-                  positions.dim() == 1 && positions.is_contiguous() && positions.size(0) == x.size(0),
-              "core_C.gemv_rope: positions " + dims(positions) + " must be contiguous int64 on x's device, one per row of x " +
-                  dims(x));
-  TORCH_CHECK(cos_sin.is_cuda() && cos_sin.device() == x.device() && cos_sin.scalar_type() == at::kFloat &&
-                  cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) == rotary_dim,
-              "core_C.gemv_rope: cos_sin " + dims(cos_sin) + " must be a contiguous float32 [positions, rotary_dim " +
-                  std::to_string(rotary_dim) + "] table on x's device");
   TORCH_CHECK(x.size(0) <= 2, "core_C.gemv_rope: x has " + std::to_string(x.size(0)) +
                                   " rows; the rotating epilogue takes 1 or 2 (use gemv, then rotary_embedding)");
   core_kernels::GemvArgs a = gemv_args(out, x, weight, 2, split_k, false);
-  a.positions = positions.data_ptr<int64_t>();
-  a.cos_sin = cos_sin.data_ptr<float>();
-  a.rope_heads = static_cast<int>(rope_heads);
-  a.head_size = static_cast<int>(head_size);
-  a.rotary_dim = static_cast<int>(rotary_dim);
+  a.rope = core_kernels::checked_rope("core_C.gemv_rope", x, weight.size(0), positions, cos_sin, rope_heads, head_size,
+                                      rotary_dim);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv_rope failed: ") + cudaGetErrorString(err));

@@ -25,6 +25,24 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 // Size in bytes of one element of `dtype`.
 inline int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
+// The rotary embedding a decode GEMV may apply in its epilogue (gemv.h, quant/quant_gemm.h;
+// heads > 0): the weight is a fused QKV projection whose first `heads` heads of head_size rows
+// (query heads, then key heads) are rotated as the rotary_embedding op (fused_ops.h) rotates
+// them: features i and i + rotary_dim / 2 of a head by cos_sin[positions[m]], each rounded to
+// the storage dtype first; the rows after them (value heads) are plain.
+struct RopeSpec {
+  const int64_t* positions;  // [m]
+  const float* cos_sin;      // [max position, rotary_dim]: cos then sin halves
+  int heads, head_size, rotary_dim;
+};
+
+// Whether `r` describes heads that fit a weight of n rows, paired two rows at a time.
+inline bool rope_spec_fits(const RopeSpec& r, int n) {
+  return r.heads > 0 && r.head_size > 0 && r.head_size % 2 == 0 && r.rotary_dim > 0 && r.rotary_dim % 2 == 0 &&
+         r.rotary_dim <= r.head_size && int64_t(r.heads) * r.head_size <= n && n % 2 == 0 &&
+         r.positions != nullptr && r.cos_sin != nullptr;
+}
+
 // ---- paged decode attention ----------------------------------------------------------------
 // Strides are in elements. One query token per sequence.
 struct DecodeArgs {

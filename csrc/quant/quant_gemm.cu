@@ -16,6 +16,7 @@
 
 #include "../cuda_compat.h"
 #include "../dtype_traits.cuh"
+#include "../paired_epilogue.cuh"
 #include "quant_gemm.h"
 
 namespace core_kernels {
@@ -202,15 +203,36 @@ __device__ __forceinline__ void gemv_vector(const QuantGemvArgs& a, const uint4&
   }
 }
 
-template <typename T, QuantCode C, int M, bool kMins>
+// A paired epilogue's CTA (kEpi != kPlain, one activation row): warps w and w + kGemvPairs
+// sum the two rows of output pair blockIdx.x * kGemvPairs + w (paired_epilogue.cuh), each as
+// the plain kernel sums a row, and after a barrier warp 0 combines each pair's two sums.
+constexpr int kGemvPairs = kGemvWarps / 2;
+
+template <int kEpi>
+__device__ __forceinline__ RowPair quant_pair(const QuantGemvArgs& a, int p) {
+  return kEpi == kSiluMul ? silu_pair(p, a.n / 2) : rope_pair(p, a.rope);
+}
+
+template <typename T, QuantCode C, int M, bool kMins, int kEpi = kPlain>
 __device__ __forceinline__ void quant_gemv_body(const QuantGemvArgs& a, const GroupOf& vec_group,
                                                 int prefetch_lines) {
   using Code = Codes<C>;
   constexpr int P = Code::kPer;
+  constexpr bool kPaired = kEpi != kPlain;
+  static_assert(!kPaired || M == 1, "the paired epilogues take one activation row");
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kGemvWarps + warp;
-  if (row >= a.n) return;  // the whole warp leaves; nothing below synchronises the CTA
-  const int vecs = a.k / P;
+  int row;
+  bool active = true;  // paired: a pair past the last sums nothing but meets the barrier
+  if constexpr (kPaired) {
+    const int p = blockIdx.x * kGemvPairs + warp % kGemvPairs;
+    active = p < a.n / 2;
+    const RowPair rp = active ? quant_pair<kEpi>(a, p) : RowPair{0, 0, -1};
+    row = warp < kGemvPairs ? rp.row0 : rp.row1;
+  } else {
+    row = blockIdx.x * kGemvWarps + warp;
+    if (row >= a.n) return;  // the whole warp leaves; nothing below synchronises the CTA
+  }
+  const int vecs = active ? a.k / P : 0;
   const int groups = a.k / a.group;
   const auto* codes = reinterpret_cast<const uint4*>(a.codes + int64_t(row) * (a.k / Code::kRowBytesDiv));
   const float* scales = a.scales + int64_t(row) * groups;
@@ -226,7 +248,9 @@ __device__ __forceinline__ void quant_gemv_body(const QuantGemvArgs& a, const Gr
   // (cuda_compat.h); quant_gemv_1row_kernel's launch bounds keep that at 32 registers (8 CTAs
   // per SM), where the prefetch's address would otherwise take 38-40 (no spills; ptxas -v).
   // (From 2 rows the instances' registers grew with it, up to 100 -> 144: no prefetch there.)
-  if constexpr (M == 1) prefetch_row_start(codes, prefetch_lines, lane);
+  if constexpr (M == 1) {
+    if (active) prefetch_row_start(codes, prefetch_lines, lane);
+  }
   grid_dependency_wait();
   for (; v + (U - 1) * kWarpSize < vecs; v += U * kWarpSize) {
     uint4 cv[U];
@@ -241,6 +265,20 @@ __device__ __forceinline__ void quant_gemv_body(const QuantGemvArgs& a, const Gr
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int off = kWarpSize / 2; off > 0; off /= 2) acc[m] += warp_shfl_xor(acc[m], off);
+  }
+  if constexpr (kPaired) {
+    __shared__ float sums[kGemvWarps];
+    if (lane == 0) sums[threadIdx.x / kWarpSize] = acc[0];  // re-read: one register fewer in the loop
+    __syncthreads();
+    const int p = blockIdx.x * kGemvPairs + lane;
+    if (threadIdx.x >= kGemvPairs || p >= a.n / 2) return;  // warp 0's first kGemvPairs lanes
+    auto* out = static_cast<typename T::Storage*>(a.out);
+    if constexpr (kEpi == kSiluMul) {
+      out[p] = silu_mul<T>(sums[lane], sums[lane + kGemvPairs]);
+    } else {
+      store_rope_pair<T>(out, quant_pair<kEpi>(a, p), sums[lane], sums[lane + kGemvPairs], a.rope, 0);
+    }
+    return;
   }
   if (lane == 0) {
     auto* out = static_cast<typename T::Storage*>(a.out);
@@ -259,10 +297,13 @@ __global__ void __launch_bounds__(kGemvWarps * kWarpSize)
 
 // One row of 16-bit activations: at most 32 registers, 8 CTAs (64 warps) per SM; with mins
 // (int4 with an offset per group) 40 registers, 6 CTAs, as before the prefetch (32 spills).
-template <typename T, QuantCode C, bool kMins>
-__global__ void __launch_bounds__(kGemvWarps * kWarpSize, kMins ? 6 : 8)
+// kEpi: a paired epilogue (SiLU-and-mul, rotary embedding) or none. With one, int8 codes
+// (four code vectors in flight) spilled 8 bytes at 32 registers, so they take 40 as with mins
+// (6 CTAs per SM; registers come in steps of 8).
+template <typename T, QuantCode C, bool kMins, int kEpi>
+__global__ void __launch_bounds__(kGemvWarps * kWarpSize, kMins || (kEpi != kPlain && C == QuantCode::kInt8) ? 6 : 8)
     quant_gemv_1row_kernel(const QuantGemvArgs a, const GroupOf vec_group, const int prefetch_lines) {
-  quant_gemv_body<T, C, 1, kMins>(a, vec_group, prefetch_lines);
+  quant_gemv_body<T, C, 1, kMins, kEpi>(a, vec_group, prefetch_lines);
 }
 
 template <typename T>
@@ -319,10 +360,31 @@ cudaError_t launch_gemv_rows(const QuantGemvArgs& a, const GroupOf groups, cudaS
   const dim3 grid((a.n + kGemvWarps - 1) / kGemvWarps), block(kGemvWarps * kWarpSize);
   if constexpr (M == 1 && sizeof(typename T::Storage) == 2) {
     const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) / Codes<C>::kRowBytesDiv);
-    return launch_dependent(quant_gemv_1row_kernel<T, C, kMins>, grid, block, 0, stream, a, groups, lines);
+    return launch_dependent(quant_gemv_1row_kernel<T, C, kMins, kPlain>, grid, block, 0, stream, a, groups, lines);
   } else {
     return launch_dependent(quant_gemv_kernel<T, C, M, kMins>, grid, block, 0, stream, a, groups);
   }
+}
+
+// One row with a paired epilogue: n / 2 pairs, kGemvPairs a CTA (fp16 / bf16 activations).
+template <typename T, QuantCode C, bool kMins, int kEpi>
+cudaError_t launch_gemv_paired(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
+  const dim3 grid((a.n / 2 + kGemvPairs - 1) / kGemvPairs), block(kGemvWarps * kWarpSize);
+  const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) / Codes<C>::kRowBytesDiv);
+  return launch_dependent(quant_gemv_1row_kernel<T, C, kMins, kEpi>, grid, block, 0, stream, a, groups, lines);
+}
+
+template <typename T, QuantCode C, bool kMins>
+cudaError_t launch_gemv_epilogue(const QuantGemvArgs& a, const GroupOf groups, cudaStream_t stream) {
+  if (a.m != 1 || a.n % 2 != 0 || (a.silu_and_mul && a.rope.heads > 0) ||
+      (!a.silu_and_mul && !rope_spec_fits(a.rope, a.n))) {
+    return cudaErrorInvalidValue;
+  }
+  if constexpr (sizeof(typename T::Storage) == 2) {
+    return a.silu_and_mul ? launch_gemv_paired<T, C, kMins, kSiluMul>(a, groups, stream)
+                          : launch_gemv_paired<T, C, kMins, kRope>(a, groups, stream);
+  }
+  return cudaErrorInvalidValue;  // fp32 activations: no paired epilogue
 }
 
 // At 1-2 rows, with and without mins (int4 only) are two instances: a runtime branch between
@@ -333,6 +395,11 @@ cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   GroupOf groups;
   if (!group_of(a, Codes<C>::kPer, groups) || (a.mins != nullptr && C != QuantCode::kInt4)) {
     return cudaErrorInvalidValue;
+  }
+  if (a.silu_and_mul || a.rope.heads > 0) {
+    if (a.mins == nullptr) return launch_gemv_epilogue<T, C, false>(a, groups, stream);
+    if constexpr (C == QuantCode::kInt4) return launch_gemv_epilogue<T, C, true>(a, groups, stream);
+    return cudaErrorInvalidValue;  // refused above
   }
   if (a.m <= 2 && a.mins != nullptr) {
     if constexpr (C == QuantCode::kInt4) {
@@ -944,13 +1011,15 @@ cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
       (a.zeros != nullptr && (a.mins == nullptr || a.code != QuantCode::kInt4))) {
     return cudaErrorInvalidValue;  // zeros restate int4 mins: the CUDA cores apply the mins
   }
+  const bool paired = a.silu_and_mul || a.rope.heads > 0;  // the CUDA-core kernel's epilogues
+  (void)paired;  // unused where neither tensor-core kernel is built
 #if CORE_HAS_FP8_KV
-  if (fp8_mma_applies(a)) {
+  if (!paired && fp8_mma_applies(a)) {
     return a.dtype == DType::kFloat16 ? launch_fp8_gemv_mma<Fp16>(a, stream) : launch_fp8_gemv_mma<Bf16>(a, stream);
   }
 #endif
 #ifndef USE_ROCM
-  if (int4_mma_applies(a)) {
+  if (!paired && int4_mma_applies(a)) {
     return a.dtype == DType::kFloat16 ? launch_int4_gemv_mma<Fp16>(a, stream) : launch_int4_gemv_mma<Bf16>(a, stream);
   }
 #endif

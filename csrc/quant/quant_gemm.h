@@ -38,6 +38,12 @@ struct QuantGemvArgs {
   QuantCode code;
   DType dtype;
   bool tensor_cores;      // fp8 and int4: allow the tensor-core kernels where they apply
+  // Epilogues pairing two rows (paired_epilogue.cuh), one activation row of fp16/bf16 only,
+  // on the CUDA-core kernel: silu_and_mul (the weight is [gate | up], out [1, n / 2] receives
+  // silu(gate) * up) or the rotary embedding of a fused QKV weight (rope.heads > 0,
+  // launchers.h), the values of the plain product followed by silu_and_mul / rotary_embedding.
+  bool silu_and_mul;
+  RopeSpec rope;
 };
 
 // out = x @ W^T for m <= kQuantGemvMaxRows rows (decode steps), each weight read once for
@@ -55,7 +61,9 @@ struct QuantGemvArgs {
 // other codes than int4, and, where the CUDA-core kernel runs, rows of 2^16 or more 16-byte
 // code vectors with more than one group whose (k / kPer) * (group / kPer) reaches 2^32 (k of
 // 1.4M+ inputs: the kernel finds a vector's group by a 32-bit multiply-high; the torch op
-// refuses those rows whichever kernel would run).
+// refuses those rows whichever kernel would run). With an epilogue (silu_and_mul or
+// rope.heads > 0) the CUDA-core kernel runs whatever the tensor-core rules say, and m must be
+// 1, the activations fp16 or bf16 and n even (cudaErrorInvalidValue otherwise).
 constexpr int kQuantGemvMaxRows = 16;
 cudaError_t quant_gemv(const QuantGemvArgs& args, cudaStream_t stream);
 

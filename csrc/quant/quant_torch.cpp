@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../rope_args.h"
 #include "quant_gemm.h"
 
 namespace {
@@ -74,9 +75,12 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, std::string("core_C.") + op + " failed: " + cudaGetErrorString(err));
 }
 
-void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group, bool tensor_cores,
-                const c10::optional<at::Tensor>& zeros) {
+// Checks quant_gemv's operands and fills its launch arguments; out has out_cols columns (the
+// weight's rows, or half of them for SiLU-and-mul).
+core_kernels::QuantGemvArgs quant_gemv_args(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
+                                            const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                            int64_t code, int64_t group, bool tensor_cores,
+                                            const c10::optional<at::Tensor>& zeros, int64_t out_cols) {
   const QuantCode c = code_of(code, "quant_gemv");
   const int64_t k = check_weight(codes, scales, mins, c, group, "quant_gemv");
   TORCH_CHECK(!mins.has_value() || c == QuantCode::kInt4,
@@ -102,10 +106,9 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, c
               "core_C.quant_gemv: " + std::to_string(x.size(0)) + " rows; at most " +
                   std::to_string(core_kernels::kQuantGemvMaxRows) + " (use quant_dequant + a GEMM)");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
-                  out.size(0) == x.size(0) && out.size(1) == codes.size(0),
+                  out.size(0) == x.size(0) && out.size(1) == out_cols,
               "core_C.quant_gemv: out " + shape(out) + " must be contiguous [" + std::to_string(x.size(0)) +
-                  ", " + std::to_string(codes.size(0)) + "] in x's dtype");
-  const c10::cuda::CUDAGuard guard(x.device());
+                  ", " + std::to_string(out_cols) + "] in x's dtype");
   core_kernels::QuantGemvArgs a{};
   a.out = out.data_ptr();
   a.x = x.data_ptr();
@@ -121,7 +124,47 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, c
   a.code = c;
   a.dtype = dtype_of(x, "quant_gemv");
   a.tensor_cores = tensor_cores;
-  check_launch(core_kernels::quant_gemv(a, c10::cuda::getCurrentCUDAStream()), "quant_gemv");
+  return a;
+}
+
+// The weight's epilogues (one activation row of fp16/bf16, quant_gemm.h): the refusal names
+// the op and what to call instead.
+void check_epilogue_rows(const at::Tensor& x, const at::Tensor& codes, const char* op, const char* instead) {
+  TORCH_CHECK(x.size(0) == 1 && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) &&
+                  codes.size(0) % 2 == 0,
+              std::string("core_C.") + op + ": x " + shape(x) + " of " + c10::toString(x.scalar_type()) +
+                  " and a weight of " + std::to_string(codes.size(0)) + " rows; the epilogue takes one float16 or "
+                  "bfloat16 row and an even row count (use " + instead + ")");
+}
+
+void launch_quant_gemv(const core_kernels::QuantGemvArgs& a, const at::Tensor& x, const char* op) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(core_kernels::quant_gemv(a, c10::cuda::getCurrentCUDAStream()), op);
+}
+
+// out = x @ W^T; with silu_and_mul, W is [gate | up] and out [m, n / 2] = silu(gate) * up.
+void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                const c10::optional<at::Tensor>& mins, int64_t code, int64_t group, bool tensor_cores,
+                const c10::optional<at::Tensor>& zeros, bool silu_and_mul) {
+  if (silu_and_mul) check_epilogue_rows(x, codes, "quant_gemv", "quant_gemv, then silu_and_mul");
+  core_kernels::QuantGemvArgs a = quant_gemv_args(out, x, codes, scales, mins, code, group, tensor_cores, zeros,
+                                                  silu_and_mul ? codes.size(0) / 2 : codes.size(0));
+  a.silu_and_mul = silu_and_mul;
+  launch_quant_gemv(a, x, "quant_gemv");
+}
+
+// out = x @ W^T with the first rope_heads heads of head_size features of a fused QKV weight
+// rotated by cos_sin[positions] (rotary_dim features a head), as rotary_embedding rotates them.
+void quant_gemv_rope(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t code, int64_t group,
+                     const c10::optional<at::Tensor>& zeros, const at::Tensor& positions, const at::Tensor& cos_sin,
+                     int64_t rope_heads, int64_t head_size, int64_t rotary_dim) {
+  check_epilogue_rows(x, codes, "quant_gemv_rope", "quant_gemv, then rotary_embedding");
+  core_kernels::QuantGemvArgs a = quant_gemv_args(out, x, codes, scales, mins, code, group, false, zeros,
+                                                  codes.size(0));
+  a.rope = core_kernels::checked_rope("core_C.quant_gemv_rope", x, codes.size(0), positions, cos_sin, rope_heads,
+                                      head_size, rotary_dim);
+  launch_quant_gemv(a, x, "quant_gemv_rope");
 }
 
 void quant_dequant(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
@@ -181,9 +224,16 @@ void quant_fp8_activations(at::Tensor& codes, at::Tensor& scales, const at::Tens
 
 // ---- Meta: ranks only (sizes may be symbolic under torch.compile) ----------------------------
 void quant_gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>&, int64_t, int64_t, bool, const c10::optional<at::Tensor>&) {
+                     const c10::optional<at::Tensor>&, int64_t, int64_t, bool, const c10::optional<at::Tensor>&, bool) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
               "quant_gemv: expected 2-d out, x, codes and scales");
+}
+
+void quant_gemv_rope_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>&, int64_t, int64_t, const c10::optional<at::Tensor>&,
+                          const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
+              "quant_gemv_rope: expected 2-d out, x, codes and scales");
 }
 
 void quant_dequant_meta(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
@@ -202,7 +252,11 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def("quant_fp8_activations(Tensor(a!) codes, Tensor(b!) scales, Tensor x, int group) -> ()");
   m.def(
       "quant_gemv(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
-      "int group, bool tensor_cores=True, Tensor? zeros=None) -> ()");
+      "int group, bool tensor_cores=True, Tensor? zeros=None, bool silu_and_mul=False) -> ()");
+  m.def(
+      "quant_gemv_rope(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
+      "int group, Tensor? zeros, Tensor positions, Tensor cos_sin, int rope_heads, int head_size, "
+      "int rotary_dim) -> ()");
   m.def(
       "quant_dequant(Tensor(a!) out, Tensor codes, Tensor scales, Tensor? mins, int code, "
       "int group) -> ()");
@@ -210,12 +264,14 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
 
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) {
   m.impl("quant_gemv", &quant_gemv);
+  m.impl("quant_gemv_rope", &quant_gemv_rope);
   m.impl("quant_dequant", &quant_dequant);
   m.impl("quant_fp8_activations", &quant_fp8_activations);
 }
 
 TORCH_LIBRARY_IMPL(core_C, Meta, m) {
   m.impl("quant_gemv", &quant_gemv_meta);
+  m.impl("quant_gemv_rope", &quant_gemv_rope_meta);
   m.impl("quant_dequant", &quant_dequant_meta);
   m.impl("quant_fp8_activations", &quant_fp8_activations_meta);
 }

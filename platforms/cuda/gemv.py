@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.models.layers import LinearMethod
+from core.models.layers import LinearMethod, RotaryEmbedding
 from platforms.cuda.build import load_ops
 
 GEMV_MAX_ROWS = 8
@@ -116,6 +116,29 @@ def _platform_op(name: str) -> Callable:
     return getattr(ops, name)
 
 
+def fuses_silu_and_mul(silu_and_mul: Callable, d: int, x: torch.Tensor) -> bool:
+    """Whether a GEMV may apply ``silu_and_mul`` to a ``[gate | up]`` product of ``d`` outputs
+    in its epilogue: only in place of this platform's own op (a plugin's override through
+    core_op_overrides is called as given) and where that op would run its kernel (whole 16-byte
+    vectors a row), whose values the epilogues reproduce (csrc/paired_epilogue.cuh)."""
+    return silu_and_mul is _platform_op("silu_and_mul") and d % (16 // x.element_size()) == 0
+
+
+def fuses_rope(layer: nn.Module, x2: torch.Tensor, positions: torch.Tensor, rotary: nn.Module) -> bool:
+    """Whether a GEMV of the fused QKV ``layer`` over rows ``x2`` may rotate its query and key
+    heads in its epilogue: only in place of this platform's own rotary op inside core's
+    ``RotaryEmbedding`` (a plugin's override, or a subclass's own forward, runs as given: the
+    caller rotates) and where that op would run its kernel on these heads (whole 16-byte
+    vectors: rotary_dim / 2 and the unrotated tail)."""
+    if type(rotary) is not RotaryEmbedding or rotary.ops.rotary_embedding is not _platform_op("rotary_embedding"):
+        return False
+    vec, d, rot = 16 // x2.element_size(), layer.head_size, rotary.rotary_dim
+    cs = rotary.cos_sin_cache
+    return (rot % 2 == 0 and (rot // 2) % vec == 0 and (d - rot) % vec == 0
+            and cs.dtype == torch.float32 and cs.is_contiguous() and cs.device == x2.device
+            and positions.dtype == torch.int64 and positions.numel() == x2.shape[0])
+
+
 class CudaDenseLinear(LinearMethod):
     """The dense format on CUDA: ``x @ W.T`` through :func:`gemv` where
     :func:`dense_takes_gemv` says so, else cuBLAS (``F.linear``). fp32 keeps cuBLAS everywhere
@@ -152,11 +175,7 @@ class CudaDenseLinear(LinearMethod):
         ``silu_and_mul``, one kernel fewer a layer) when the op it is given is that op; else
         the two ops."""
         x2 = self.gemv_rows(x, layer.weight, bias)
-        if (x2 is None or silu_and_mul is not _platform_op("silu_and_mul")
-                or (layer.weight.shape[0] // 2) % (16 // x.element_size()) != 0):
-            # Fused only in place of this platform's own silu_and_mul (a plugin's override
-            # through core_op_overrides is called as given) and where that op would run its
-            # kernel (whole 16-byte vectors a row), whose values the epilogue reproduces.
+        if x2 is None or not fuses_silu_and_mul(silu_and_mul, layer.weight.shape[0] // 2, x):
             return silu_and_mul(self.apply(layer, x, bias))
         y = gemv_silu_and_mul(x2, layer.weight)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -168,22 +187,12 @@ class CudaDenseLinear(LinearMethod):
         ``rotary_embedding`` kernel, one kernel fewer a layer), if that op would run its kernel
         on these heads (whole 16-byte vectors: rotary_dim / 2 and the unrotated tail); else
         None."""
-        from core.models.layers import RotaryEmbedding
-
         x2 = self.gemv_rows(x, layer.weight, bias)
-        # Only in place of this platform's own rotary op inside core's RotaryEmbedding (a
-        # plugin's override through core_op_overrides, or a subclass's own forward, runs as
-        # given: the caller rotates).
-        if (x2 is None or type(rotary) is not RotaryEmbedding
-                or rotary.ops.rotary_embedding is not _platform_op("rotary_embedding")):
+        if x2 is None or not fuses_rope(layer, x2, positions, rotary):
             return None
-        vec, d, rot = 16 // x.element_size(), layer.head_size, rotary.rotary_dim
-        cs = rotary.cos_sin_cache
-        if not (rot % 2 == 0 and (rot // 2) % vec == 0 and (d - rot) % vec == 0
-                and cs.dtype == torch.float32 and cs.is_contiguous() and cs.device == x.device
-                and positions.dtype == torch.int64 and positions.numel() == x2.shape[0]):
-            return None
-        y = gemv_rope(x2, layer.weight, positions.reshape(-1), cs, layer.num_heads + layer.num_kv_heads, d, rot)
+        d, rot = layer.head_size, rotary.rotary_dim
+        y = gemv_rope(x2, layer.weight, positions.reshape(-1), rotary.cos_sin_cache,
+                      layer.num_heads + layer.num_kv_heads, d, rot)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

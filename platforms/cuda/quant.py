@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from core.quantization.base import QuantizationMethod
 from core.quantization.linear import KeptQuantizedLinear
 from core.quantization.tensors import FP8_MAX, Fp8Weight, QuantizedWeight, integer_zero_points
 from platforms.cuda.build import load_ops
+from platforms.cuda.gemv import fuses_rope, fuses_silu_and_mul
 
 logger = logging.getLogger(__name__)
 
@@ -249,15 +252,9 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
         return _pack(weight, device)
 
     def matmul(self, packed: PackedQuant, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        if packed.perm is not None:
-            x2 = x2.index_select(1, packed.perm)
+        x2 = _gemv_rows(packed, x)
         rows = x2.shape[0]
         if rows <= GEMV_MAX_ROWS:
-            x2 = x2.contiguous()
-            if x2.data_ptr() % 16:  # the kernel reads 16-byte vectors
-                x2 = x2.clone()
             y = torch.empty(rows, packed.codes.shape[0], dtype=x.dtype, device=x.device)
             load_ops().quant_gemv(y, x2, packed.codes, packed.scales, packed.mins, packed.code, packed.group,
                                   True, packed.zeros)
@@ -270,6 +267,60 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
         else:
             y = F.linear(x2, dequantize_packed(packed, x.dtype), bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _epilogue_rows(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x`` as the one fp16/bf16 row the GEMV's epilogues take (csrc/quant), for a layer
+        kept quantized and no bias; else None (the two kernels run)."""
+        if layer.packed_weight is None:
+            self.prepare(layer)
+        packed = layer.packed_weight
+        if (not isinstance(packed, PackedQuant) or bias is not None or x.numel() != x.shape[-1]
+                or x.dtype not in (torch.float16, torch.bfloat16) or not x.is_cuda):
+            return None
+        return _gemv_rows(packed, x)
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+    ) -> torch.Tensor:
+        """At one row, SiLU-and-mul in the quantized GEMV's epilogue (the values of the GEMV
+        followed by the platform's ``silu_and_mul``, one kernel fewer a layer), where
+        :func:`~platforms.cuda.gemv.fuses_silu_and_mul` allows; else the two ops."""
+        x2 = self._epilogue_rows(layer, x, bias)
+        d = layer.packed_weight.codes.shape[0] // 2 if x2 is not None else 0
+        if x2 is None or not fuses_silu_and_mul(silu_and_mul, d, x):
+            return silu_and_mul(self.apply(layer, x, bias))
+        p = layer.packed_weight
+        y = torch.empty(1, d, dtype=x.dtype, device=x.device)
+        load_ops().quant_gemv(y, x2, p.codes, p.scales, p.mins, p.code, p.group, True, p.zeros, True)
+        return y.view(*x.shape[:-1], d)
+
+    def apply_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                   rotary: nn.Module) -> torch.Tensor | None:
+        """At one row, the fused QKV GEMV rotating the query and key heads in its epilogue (the
+        values of the GEMV followed by the platform's ``rotary_embedding``), where
+        :func:`~platforms.cuda.gemv.fuses_rope` allows; else None (the caller rotates)."""
+        x2 = self._epilogue_rows(layer, x, bias)
+        if x2 is None or not fuses_rope(layer, x2, positions, rotary):
+            return None
+        p = layer.packed_weight
+        y = torch.empty(1, p.codes.shape[0], dtype=x.dtype, device=x.device)
+        load_ops().quant_gemv_rope(y, x2, p.codes, p.scales, p.mins, p.code, p.group, p.zeros,
+                                   positions.reshape(-1), rotary.cos_sin_cache,
+                                   layer.num_heads + layer.num_kv_heads, layer.head_size, rotary.rotary_dim)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _gemv_rows(packed: PackedQuant, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, k] in the weight's input order; at GEMV sizes contiguous and 16-byte
+    aligned (the kernel reads 16-byte vectors)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if packed.perm is not None:
+        x2 = x2.index_select(1, packed.perm)
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+    return x2
 
 
 def _kept(quant: QuantizationMethod, dtype: torch.dtype) -> CudaQuantizedLinear:

@@ -464,6 +464,155 @@ def test_the_gemv_refuses_what_it_cannot_take():
                               INT8, group)
 
 
+EPILOGUE_WEIGHTS = [  # (name, kind, group, mins): what a decode row meets at batch 1
+    ("awq", "int4", 128, True), ("gguf-q4_0", "int4", 32, True), ("sym-int4", "int4", 128, False),
+    ("q8_0", "int8", 32, False), ("fp8-rows", "fp8", None, False), ("fp8-block", "fp8", 128, False),
+]
+
+
+def _epilogue_weight(kind, rows, cols, group, mins, gen):
+    if kind == "fp8":
+        return fp8_weight(rows, cols, group or cols, gen)
+    return int_weight(rows, cols, 4 if kind == "int4" else 8, group, mins, gen)
+
+
+def _plain(x, p):
+    from platforms.cuda.build import load_ops
+
+    out = torch.empty(1, p.codes.shape[0], dtype=x.dtype, device=DEV)
+    load_ops().quant_gemv(out, x, p.codes, p.scales, p.mins, p.code, p.group, False, p.zeros)  # CUDA cores
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,kind,group,mins", EPILOGUE_WEIGHTS)
+@pytest.mark.parametrize("d", [512, 520])  # 520: a last CTA with one pair of four
+def test_quant_gemv_silu_and_mul_is_the_kernel_then_silu_and_mul(dtype, name, kind, group, mins, d):
+    """One decode row through a [gate | up] quantized weight with SiLU-and-mul in the GEMV's
+    epilogue: bit for bit the CUDA-core GEMV (each row summed the same way) followed by the
+    platform's silu_and_mul kernel, and within the dtype's rounding of the float64 reference."""
+    from platforms.cuda.build import load_ops
+    from platforms.cuda.ops import silu_and_mul
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"silu/{name}/{dtype}/{d}".encode()))
+    k = 1024
+    w = _epilogue_weight(kind, 2 * d, k, group, mins, gen)
+    p = _pack(w, DEV)
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEV)
+    got = torch.full((1, d), float("nan"), dtype=dtype, device=DEV)
+    load_ops().quant_gemv(got, x, p.codes, p.scales, p.mins, p.code, p.group, True, p.zeros, True)
+    assert torch.equal(got, silu_and_mul(_plain(x, p)))
+    ref = reference(x, w)
+    check(got, torch.nn.functional.silu(ref[:, :d]) * ref[:, d:], dtype, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,kind,group,mins", EPILOGUE_WEIGHTS)
+@pytest.mark.parametrize("rot", [128, 64])
+def test_quant_gemv_rope_is_the_kernel_then_rotary_embedding(dtype, name, kind, group, mins, rot):
+    """One decode row through a fused QKV quantized weight rotating its query and key heads in
+    the epilogue: value heads and unrotated features exactly the CUDA-core GEMV's; rotated
+    features the platform's rotary_embedding on that GEMV's output to one rounding step (the
+    compiler may contract the rotation's products differently), most of them bit for bit."""
+    from core.models.rope import cos_sin_table
+    from platforms.cuda.build import load_ops
+    from platforms.cuda.ops import rotary_embedding
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"rope/{name}/{dtype}/{rot}".encode()))
+    heads, kv_heads, d, k = 4, 2, 128, 1024
+    n = (heads + 2 * kv_heads) * d
+    p = _pack(_epilogue_weight(kind, n, k, group, mins, gen), DEV)
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEV)
+    positions = torch.randint(0, 4096, (1,), generator=gen).to(DEV)
+    cs = cos_sin_table(rot, {"rope_type": "default", "rope_theta": 500000.0}, 4096).to(DEV)
+    got = torch.full((1, n), float("nan"), dtype=dtype, device=DEV)
+    load_ops().quant_gemv_rope(got, x, p.codes, p.scales, p.mins, p.code, p.group, p.zeros, positions, cs,
+                               heads + kv_heads, d, rot)
+    plain = _plain(x, p)
+    q, kk, v = plain.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_rot, k_rot = rotary_embedding(positions, q.reshape(1, heads, d), kk.reshape(1, kv_heads, d), cs, rot)
+    assert torch.equal(got[:, (heads + kv_heads) * d:], v)
+    heads_got = got[:, : (heads + kv_heads) * d].reshape(1, heads + kv_heads, d)
+    heads_want = torch.cat([q_rot.reshape(1, -1), k_rot.reshape(1, -1)], dim=-1).reshape(1, heads + kv_heads, d)
+    assert torch.equal(heads_got[..., rot:], heads_want[..., rot:])
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(heads_got.float(), heads_want.float(), rtol=eps, atol=eps)
+    assert (heads_got == heads_want).float().mean() > 0.99
+
+
+def test_the_linear_method_fuses_at_one_row_only():
+    """CudaQuantizedLinear.apply_silu_and_mul / apply_rope on fp8 layers: one bf16 row takes
+    the epilogue (the fused ops' result); two rows, a bias, or another silu_and_mul than the
+    platform's run the two ops (apply_rope: None, the caller rotates)."""
+    import types
+
+    from core.models.layers import RotaryEmbedding
+    from core.ops import Ops
+    from platforms.cuda.build import load_ops
+    from platforms.cuda.ops import cuda_ops, silu_and_mul
+
+    gen = torch.Generator().manual_seed(7)
+    method = CudaQuantizedLinear(Fp8Method.from_config(None), torch.bfloat16)
+
+    def layer(rows, **attrs):
+        module = torch.nn.Module()
+        module.__dict__.update(attrs)
+        module.packed_weight = method.pack(fp8_weight(rows, 1024, 1024, gen), DEV)
+        return module
+
+    mlp = layer(1024)
+    qkv = layer(1024, head_size=128, num_heads=4, num_kv_heads=2)
+    ctx = types.SimpleNamespace(ops=Ops(cuda_ops()), device=DEV)
+    rotary = RotaryEmbedding(128, 128, 4096, {"rope_type": "default", "rope_theta": 500000.0}, ctx)
+    calls = []
+
+    def other(y):  # not the platform's op object: never fused
+        calls.append(y.shape)
+        return silu_and_mul(y)
+
+    for m in (1, 2):
+        x = torch.randn(m, 1024, generator=gen).to(torch.bfloat16).to(DEV)
+        positions = torch.arange(m, device=DEV) + 7
+        fused = method.apply_silu_and_mul(mlp, x, None, silu_and_mul)
+        rotated = method.apply_rope(qkv, x, None, positions, rotary)
+        assert torch.equal(method.apply_silu_and_mul(mlp, x, None, other), silu_and_mul(method.apply(mlp, x, None)))
+        bias = torch.zeros(1024, dtype=torch.bfloat16, device=DEV)
+        assert method.apply_rope(qkv, x, bias, positions, rotary) is None
+        if m == 2:
+            assert rotated is None and torch.equal(fused, silu_and_mul(method.apply(mlp, x, None)))
+            continue
+        p = mlp.packed_weight
+        want = torch.empty(1, 512, dtype=torch.bfloat16, device=DEV)
+        load_ops().quant_gemv(want, x, p.codes, p.scales, p.mins, p.code, p.group, True, p.zeros, True)
+        assert torch.equal(fused, want)
+        p = qkv.packed_weight
+        want = torch.empty(1, 1024, dtype=torch.bfloat16, device=DEV)
+        load_ops().quant_gemv_rope(want, x, p.codes, p.scales, p.mins, p.code, p.group, p.zeros, positions,
+                                   rotary.cos_sin_cache, 6, 128, 128)
+        assert torch.equal(rotated, want)
+    assert calls == [(1, 1024), (2, 1024)]
+
+
+def test_the_quant_epilogues_refuse_what_they_cannot_take():
+    from platforms.cuda.build import load_ops
+
+    gen = torch.Generator().manual_seed(3)
+    p = _pack(int_weight(64, 1024, 4, 128, True, gen), DEV)
+    x2 = torch.randn(2, 1024, generator=gen).to(torch.bfloat16).to(DEV)
+    with pytest.raises(RuntimeError, match="the epilogue takes one float16 or bfloat16 row"):
+        load_ops().quant_gemv(torch.empty(2, 32, dtype=torch.bfloat16, device=DEV), x2, p.codes, p.scales, p.mins,
+                              p.code, p.group, True, p.zeros, True)
+    x32 = torch.randn(1, 1024, generator=gen).to(DEV)
+    with pytest.raises(RuntimeError, match="use quant_gemv, then silu_and_mul"):
+        load_ops().quant_gemv(torch.empty(1, 32, device=DEV), x32, p.codes, p.scales, p.mins,
+                              p.code, p.group, True, p.zeros, True)
+    x = x2[:1].contiguous()
+    pos, cs = torch.zeros(1, dtype=torch.int64, device=DEV), torch.zeros(16, 8, device=DEV)
+    with pytest.raises(RuntimeError, match="do not fit a weight of 64 rows"):
+        load_ops().quant_gemv_rope(torch.empty(1, 64, dtype=torch.bfloat16, device=DEV), x, p.codes, p.scales,
+                                   p.mins, p.code, p.group, p.zeros, pos, cs, 5, 16, 8)
+
+
 def test_shapes_the_kernels_cannot_take_stay_dense():
     gen = torch.Generator().manual_seed(0)
     assert _pack(int_weight(24, 256, 4, 128, True, gen), DEV) is None  # 24 rows: not % 16
