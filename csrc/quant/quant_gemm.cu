@@ -1026,6 +1026,17 @@ cudaError_t quant_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
   return dispatch<GemvLauncher>(a, stream);
 }
 
+bool quant_gemv_tensor_cores(const QuantGemvArgs& a) {
+#if CORE_HAS_FP8_KV
+  if (fp8_mma_applies(a)) return true;
+#endif
+#ifndef USE_ROCM
+  if (int4_mma_applies(a)) return true;
+#endif
+  (void)a;
+  return false;
+}
+
 cudaError_t quant_dequant(const QuantDequantArgs& a, cudaStream_t stream) {
   if (!valid_shape(a.n, a.k, a.group, a.code)) return cudaErrorInvalidValue;
   return dispatch<DequantLauncher>(a, stream);

@@ -67,6 +67,11 @@ struct QuantGemvArgs {
 constexpr int kQuantGemvMaxRows = 16;
 cudaError_t quant_gemv(const QuantGemvArgs& args, cudaStream_t stream);
 
+// Whether quant_gemv runs a tensor-core kernel for `args` without an epilogue (the rules
+// above, on the current device): where it does, an epilogue trades that kernel for the CUDA
+// cores' (platforms/cuda/quant.py asks before it fuses).
+bool quant_gemv_tensor_cores(const QuantGemvArgs& args);
+
 struct QuantDequantArgs {
   void* out;              // [n, k] contiguous, `dtype`
   const uint8_t* codes;

@@ -127,6 +127,17 @@ core_kernels::QuantGemvArgs quant_gemv_args(at::Tensor& out, const at::Tensor& x
   return a;
 }
 
+// Whether quant_gemv takes a tensor-core kernel for x and this weight (no epilogue).
+bool quant_gemv_tensor_cores(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& mins, int64_t code, int64_t group,
+                             const c10::optional<at::Tensor>& zeros) {
+  at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options());
+  const core_kernels::QuantGemvArgs a =
+      quant_gemv_args(out, x, codes, scales, mins, code, group, true, zeros, codes.size(0));
+  const c10::cuda::CUDAGuard guard(x.device());
+  return core_kernels::quant_gemv_tensor_cores(a);
+}
+
 // The weight's epilogues (one activation row of fp16/bf16, quant_gemm.h): the refusal names
 // the op and what to call instead.
 void check_epilogue_rows(const at::Tensor& x, const at::Tensor& codes, const char* op, const char* instead) {
@@ -254,6 +265,9 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
       "quant_gemv(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
       "int group, bool tensor_cores=True, Tensor? zeros=None, bool silu_and_mul=False) -> ()");
   m.def(
+      "quant_gemv_tensor_cores(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, int group, "
+      "Tensor? zeros=None) -> bool");
+  m.def(
       "quant_gemv_rope(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int code, "
       "int group, Tensor? zeros, Tensor positions, Tensor cos_sin, int rope_heads, int head_size, "
       "int rotary_dim) -> ()");
@@ -265,6 +279,7 @@ TORCH_LIBRARY_FRAGMENT(core_C, m) {
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) {
   m.impl("quant_gemv", &quant_gemv);
   m.impl("quant_gemv_rope", &quant_gemv_rope);
+  m.impl("quant_gemv_tensor_cores", &quant_gemv_tensor_cores);
   m.impl("quant_dequant", &quant_dequant);
   m.impl("quant_fp8_activations", &quant_fp8_activations);
 }

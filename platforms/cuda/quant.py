@@ -21,6 +21,7 @@ GEMV against ``_scaled_mm`` and against bf16 cuBLAS per Llama-3-8B shape); the c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -70,6 +71,11 @@ class PackedQuant:
     """int4 only: the mins restated as integer zero points, uint8 [N, K / group]
     (:func:`integer_zeros`), kept only for shapes the tensor-core GEMV takes; None keeps a
     weight with mins on the CUDA cores."""
+    one_row_epilogues: bool = False
+    """Whether one activation row of the linear method's dtype runs on the CUDA-core GEMV
+    (``core_C.quant_gemv_tensor_cores``), whose epilogues (SiLU-and-mul, rotary embedding)
+    the method then uses; where one row takes a tensor-core kernel, which measured faster
+    there, the layer keeps it and the separate kernel."""
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -249,7 +255,13 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
     """The CUDA platform's kept-quantized linear method (see the module docstring)."""
 
     def pack(self, weight: QuantizedWeight, device: torch.device) -> PackedQuant | None:
-        return _pack(weight, device)
+        packed = _pack(weight, device)
+        if packed is None or self.dtype not in (torch.float16, torch.bfloat16):
+            return packed
+        x = torch.empty(1, weight.shape[1], dtype=self.dtype, device=device)
+        tensor_cores = load_ops().quant_gemv_tensor_cores(x, packed.codes, packed.scales, packed.mins, packed.code,
+                                                          packed.group, packed.zeros)
+        return dataclasses.replace(packed, one_row_epilogues=not tensor_cores)
 
     def matmul(self, packed: PackedQuant, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = _gemv_rows(packed, x)
@@ -270,12 +282,13 @@ class CudaQuantizedLinear(KeptQuantizedLinear):
 
     def _epilogue_rows(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x`` as the one fp16/bf16 row the GEMV's epilogues take (csrc/quant), for a layer
-        kept quantized and no bias; else None (the two kernels run)."""
+        kept quantized whose one row runs on the CUDA cores (``one_row_epilogues``) and no
+        bias; else None (the two kernels run)."""
         if layer.packed_weight is None:
             self.prepare(layer)
         packed = layer.packed_weight
-        if (not isinstance(packed, PackedQuant) or bias is not None or x.numel() != x.shape[-1]
-                or x.dtype not in (torch.float16, torch.bfloat16) or not x.is_cuda):
+        if (not isinstance(packed, PackedQuant) or not packed.one_row_epilogues or bias is not None
+                or x.numel() != x.shape[-1] or x.dtype != self.dtype or not x.is_cuda):
             return None
         return _gemv_rows(packed, x)
 

@@ -486,7 +486,7 @@ def _plain(x, p):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,kind,group,mins", EPILOGUE_WEIGHTS)
-@pytest.mark.parametrize("d", [512, 520])  # 520: a last CTA with one pair of four
+@pytest.mark.parametrize("d", [512, 776])
 def test_quant_gemv_silu_and_mul_is_the_kernel_then_silu_and_mul(dtype, name, kind, group, mins, d):
     """One decode row through a [gate | up] quantized weight with SiLU-and-mul in the GEMV's
     epilogue: bit for bit the CUDA-core GEMV (each row summed the same way) followed by the
@@ -540,10 +540,88 @@ def test_quant_gemv_rope_is_the_kernel_then_rotary_embedding(dtype, name, kind, 
     assert (heads_got == heads_want).float().mean() > 0.99
 
 
-def test_the_linear_method_fuses_at_one_row_only():
-    """CudaQuantizedLinear.apply_silu_and_mul / apply_rope on fp8 layers: one bf16 row takes
-    the epilogue (the fused ops' result); two rows, a bias, or another silu_and_mul than the
-    platform's run the two ops (apply_rope: None, the caller rotates)."""
+def _awq_weight(rows, cols, gen) -> IntWeight:
+    """int4 in groups of 128 with integer zero points (AWQ's form): the tensor cores take it."""
+    w = int_weight(rows, cols, 4, 128, False, gen)
+    z = torch.randint(0, 16, w.scales.shape, generator=gen).float()
+    return IntWeight(4, w.codes, w.scales, -z * w.scales, 128)
+
+
+def _sliced(p, rows):
+    """The first `rows` rows of a packed weight (the op takes any even row count; _pack only
+    multiples of 16)."""
+    return [None if t is None else t[:rows].contiguous() for t in (p.codes, p.scales, p.mins, p.zeros)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_quant_epilogues_cover_a_last_cta_of_fewer_pairs(dtype, kind):
+    """Pairs not a multiple of a CTA's four: 518 SiLU pairs (rows 1,036) and 514 rotary pairs
+    (six rotated heads of 128, then 260 value rows); the last CTA's idle warps write nothing.
+    SiLU: the plain GEMV's outputs rounded as silu_and_mul_kernel rounds them (torch's exp to one
+    rounding step); rope: values and the unrotated tail bit for bit, the rotation as above."""
+    from core.models.rope import cos_sin_table
+    from platforms.cuda.build import load_ops
+    from platforms.cuda.ops import rotary_embedding
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"tail/{kind}/{dtype}".encode()))
+    k, ops = 1024, load_ops()
+    p = _pack(_epilogue_weight(kind, 1040, k, 128, kind == "int4", gen), DEV)
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEV)
+
+    def plain(rows):
+        codes, scales, mins, zeros = _sliced(p, rows)
+        out = torch.empty(1, rows, dtype=dtype, device=DEV)
+        ops.quant_gemv(out, x, codes, scales, mins, p.code, p.group, False, zeros)
+        return out, (codes, scales, mins, zeros)
+
+    full, (codes, scales, mins, zeros) = plain(1036)
+    got = torch.full((1, 1040 // 2), float("nan"), dtype=dtype, device=DEV)
+    ops.quant_gemv(got[:, :518], x, codes, scales, mins, p.code, p.group, True, zeros, True)
+    assert got[:, 518:].isnan().all()  # nothing past the last pair
+    g, u = full[:, :518].float(), full[:, 518:].float()
+    want = ((g / (1 + torch.exp(-g))).to(dtype).float() * u).to(dtype)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got[:, :518].float(), want.float(), rtol=eps, atol=eps)
+    assert (got[:, :518] == want).float().mean() > 0.99
+
+    full, (codes, scales, mins, zeros) = plain(1028)
+    positions = torch.tensor([1234], device=DEV)
+    cs = cos_sin_table(128, {"rope_type": "default", "rope_theta": 500000.0}, 4096).to(DEV)
+    got = torch.full((1, 1028), float("nan"), dtype=dtype, device=DEV)
+    ops.quant_gemv_rope(got, x, codes, scales, mins, p.code, p.group, zeros, positions, cs, 6, 128, 128)
+    assert torch.equal(got[:, 768:], full[:, 768:])
+    q_rot, k_rot = rotary_embedding(positions, full[:, :512].reshape(1, 4, 128), full[:, 512:768].reshape(1, 2, 128),
+                                    cs, 128)
+    want = torch.cat([q_rot.reshape(1, -1), k_rot.reshape(1, -1)], dim=-1)
+    torch.testing.assert_close(got[:, :768].float(), want.float(), rtol=eps, atol=eps)
+    assert (got[:, :768] == want).float().mean() > 0.99
+
+
+def test_quant_epilogues_run_on_the_cuda_cores_where_one_row_takes_the_tensor_cores():
+    """An AWQ-form weight (integer zero points) of k = 8,192, whose one plain row takes the int4
+    tensor-core kernel, and an fp8 weight of 2^20 codes (the fp8 one at one row): asked for an
+    epilogue, the op runs the CUDA-core GEMV, so the result is that kernel's followed by
+    silu_and_mul, bit for bit."""
+    from platforms.cuda.build import load_ops
+    from platforms.cuda.ops import silu_and_mul
+
+    gen = torch.Generator().manual_seed(11)
+    for w in (_awq_weight(2304, 8192, gen), fp8_weight(1024, 1024, 1024, gen)):
+        p = _pack(w, DEV)
+        x = torch.randn(1, w.shape[1], generator=gen).to(torch.bfloat16).to(DEV)
+        assert load_ops().quant_gemv_tensor_cores(x, p.codes, p.scales, p.mins, p.code, p.group, p.zeros)
+        got = torch.empty(1, w.shape[0] // 2, dtype=torch.bfloat16, device=DEV)
+        load_ops().quant_gemv(got, x, p.codes, p.scales, p.mins, p.code, p.group, True, p.zeros, True)
+        assert torch.equal(got, silu_and_mul(_plain(x, p)))
+
+
+def test_the_linear_method_fuses_at_one_row_on_the_cuda_cores_only():
+    """CudaQuantizedLinear.apply_silu_and_mul / apply_rope: one bf16 row through fp8 layers of
+    more than 2^24 codes (the CUDA-core GEMV's at one row) takes the epilogue (the fused ops'
+    result); two rows, a bias, another silu_and_mul than the platform's, or a weight whose one
+    row takes a tensor-core kernel (fp8 of at most 2^24 codes, int4 with zero points above
+    2^24) run the two ops (apply_rope: None, the caller rotates)."""
     import types
 
     from core.models.layers import RotaryEmbedding
@@ -553,15 +631,20 @@ def test_the_linear_method_fuses_at_one_row_only():
 
     gen = torch.Generator().manual_seed(7)
     method = CudaQuantizedLinear(Fp8Method.from_config(None), torch.bfloat16)
+    k = 4096
 
-    def layer(rows, **attrs):
+    def layer(weight, **attrs):
         module = torch.nn.Module()
         module.__dict__.update(attrs)
-        module.packed_weight = method.pack(fp8_weight(rows, 1024, 1024, gen), DEV)
+        module.packed_weight = method.pack(weight, DEV)
         return module
 
-    mlp = layer(1024)
-    qkv = layer(1024, head_size=128, num_heads=4, num_kv_heads=2)
+    mlp = layer(fp8_weight(4224, k, k, gen))  # 17.3 M codes
+    qkv = layer(fp8_weight(6144, k, k, gen), head_size=128, num_heads=32, num_kv_heads=8)
+    assert mlp.packed_weight.one_row_epilogues and qkv.packed_weight.one_row_epilogues
+    small = layer(fp8_weight(1024, 1024, 1024, gen))
+    awq = layer(_awq_weight(4224, k, gen))
+    assert not small.packed_weight.one_row_epilogues and not awq.packed_weight.one_row_epilogues
     ctx = types.SimpleNamespace(ops=Ops(cuda_ops()), device=DEV)
     rotary = RotaryEmbedding(128, 128, 4096, {"rope_type": "default", "rope_theta": 500000.0}, ctx)
     calls = []
@@ -571,26 +654,30 @@ def test_the_linear_method_fuses_at_one_row_only():
         return silu_and_mul(y)
 
     for m in (1, 2):
-        x = torch.randn(m, 1024, generator=gen).to(torch.bfloat16).to(DEV)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEV)
         positions = torch.arange(m, device=DEV) + 7
         fused = method.apply_silu_and_mul(mlp, x, None, silu_and_mul)
         rotated = method.apply_rope(qkv, x, None, positions, rotary)
         assert torch.equal(method.apply_silu_and_mul(mlp, x, None, other), silu_and_mul(method.apply(mlp, x, None)))
-        bias = torch.zeros(1024, dtype=torch.bfloat16, device=DEV)
-        assert method.apply_rope(qkv, x, bias, positions, rotary) is None
+        assert method.apply_rope(qkv, x, torch.zeros(6144, dtype=torch.bfloat16, device=DEV), positions, rotary) is None
+        assert torch.equal(method.apply_silu_and_mul(awq, x, None, silu_and_mul),
+                           silu_and_mul(method.apply(awq, x, None)))
+        xs = x[:, :1024].contiguous()
+        assert torch.equal(method.apply_silu_and_mul(small, xs, None, silu_and_mul),
+                           silu_and_mul(method.apply(small, xs, None)))
         if m == 2:
             assert rotated is None and torch.equal(fused, silu_and_mul(method.apply(mlp, x, None)))
             continue
         p = mlp.packed_weight
-        want = torch.empty(1, 512, dtype=torch.bfloat16, device=DEV)
+        want = torch.empty(1, 2112, dtype=torch.bfloat16, device=DEV)
         load_ops().quant_gemv(want, x, p.codes, p.scales, p.mins, p.code, p.group, True, p.zeros, True)
         assert torch.equal(fused, want)
         p = qkv.packed_weight
-        want = torch.empty(1, 1024, dtype=torch.bfloat16, device=DEV)
+        want = torch.empty(1, 6144, dtype=torch.bfloat16, device=DEV)
         load_ops().quant_gemv_rope(want, x, p.codes, p.scales, p.mins, p.code, p.group, p.zeros, positions,
-                                   rotary.cos_sin_cache, 6, 128, 128)
+                                   rotary.cos_sin_cache, 40, 128, 128)
         assert torch.equal(rotated, want)
-    assert calls == [(1, 1024), (2, 1024)]
+    assert calls == [(1, 4224), (2, 4224)]
 
 
 def test_the_quant_epilogues_refuse_what_they_cannot_take():
