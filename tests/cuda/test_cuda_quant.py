@@ -498,7 +498,7 @@ def test_quant_gemv_silu_and_mul_is_the_kernel_then_silu_and_mul(dtype, name, ki
     k = 1024
     w = _epilogue_weight(kind, 2 * d, k, group, mins, gen)
     p = _pack(w, DEV)
-    x = torch.randn(1, k, generator=gen).to(dtype).to(DEV)
+    x = (torch.randn(1, k, generator=gen) / (256 if kind == "fp8" else 1)).to(dtype).to(DEV)  # fp8: fp16's range
     got = torch.full((1, d), float("nan"), dtype=dtype, device=DEV)
     load_ops().quant_gemv(got, x, p.codes, p.scales, p.mins, p.code, p.group, True, p.zeros, True)
     assert torch.equal(got, silu_and_mul(_plain(x, p)))
@@ -789,8 +789,8 @@ def _tiny_checkpoint(tmp_path, fmt):
     return write_quantized(src, tmp_path / fmt, fmt)
 
 
-@pytest.mark.parametrize("fmt,n", [("awq", 6), ("gptq-act-order", 6), ("gptq-int8", 6), ("awq", 1)])
-def test_tiny_checkpoints_on_cuda_agree_with_cpu(tmp_path, fmt, n):
+@pytest.mark.parametrize("fmt,seqs", [("awq", 6), ("gptq-act-order", 6), ("gptq-int8", 6), ("awq", 1)])
+def test_tiny_checkpoints_on_cuda_agree_with_cpu(tmp_path, fmt, seqs):
     """Greedy chains of n prompts, CUDA bf16 vs the CPU fp32 run of the same checkpoint (one
     prompt: every decode step is one row, which this tiny AWQ model's layers run on the
     CUDA-core GEMV, the QKV and gate/up ones with their rotary and SiLU epilogues). Not fp8-block:
@@ -802,9 +802,9 @@ def test_tiny_checkpoints_on_cuda_agree_with_cpu(tmp_path, fmt, n):
     from tests.integration.test_engine_hf import random_prompts
 
     path = _tiny_checkpoint(tmp_path, fmt)
-    prompts = random_prompts(n, 512, seed=3)
-    rate = _agreement(_greedy(path, "cuda", prompts), _greedy(path, "cpu", prompts))
-    print(f"\n{fmt}, {n} prompts: cuda bf16 vs cpu fp32 greedy agreement {rate:.3f}")
+    prompts = random_prompts(6, 512, seed=3)
+    rate = _agreement(_greedy(path, "cuda", prompts, max_num_seqs=seqs), _greedy(path, "cpu", prompts))
+    print(f"\n{fmt}, {seqs} sequences a step: cuda bf16 vs cpu fp32 greedy agreement {rate:.3f}")
     assert rate >= 0.5
 
 
