@@ -148,8 +148,15 @@ def four_bit_is_exact(scales: torch.Tensor) -> bool:
     point z of 0..15 and every scale s here: true when each scale is finite (with room for the
     products) and has at most 20 significant bits, since then q * s, z * s and (q - z) * s
     (|q - z| <= 15: 4 bits each) need at most 24, all exact, and so is their sum."""
+    return _products_exact(scales, 4)
+
+
+def _products_exact(scales: torch.Tensor, bits: int) -> bool:
+    """Whether every scale times any integer of ``bits`` bits (magnitude <= 2^bits) is exact in
+    float32: the scales are finite with room for the products and have at most 24 - bits
+    significant bits."""
     s = scales.float().contiguous()
-    return bool(torch.isfinite(s * 16).all()) and bool(((s.view(torch.int32) & 0xF) == 0).all())
+    return bool(torch.isfinite(s * 2.0**bits).all()) and bool(((s.view(torch.int32) & ((1 << bits) - 1)) == 0).all())
 
 
 class CompressedTensorsMethod(QuantizationMethod):
@@ -158,6 +165,12 @@ class CompressedTensorsMethod(QuantizationMethod):
 
     * ``float-quantized``: fp8 e4m3 ``weight`` + ``weight_scale`` per tensor, channel or
       block (``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``);
+    * ``pack-quantized`` with 8-bit integer weights (``W8A16``, since session 20): four codes a
+      word (``weight_packed [N, K / 4]``, input ``4c + i`` in byte ``i``, stored as ``q + 128``;
+      zero points likewise along the outputs), held as int8 codes q with no mins (symmetric:
+      the form the CUDA int8 GEMV keeps) or mins ``-z * scale`` where every q * scale and
+      z * scale is exact (scales of at most 16 significant bits), else loaded dense, the
+      library's ``(q - z) * scale`` rounded once in every case;
     * ``pack-quantized`` with 4-bit integer weights per group or channel (``W4A16``,
       ``W4A16_ASYM``): ``weight_packed`` int32 ``[N, K / 8]`` (input ``8c + i`` in nibble
       ``i`` of word ``c``, stored as ``q + 8`` for the signed code ``q`` in -8..7),
@@ -204,7 +217,7 @@ class CompressedTensorsMethod(QuantizationMethod):
                 raise ValueError(
                     f"compressed-tensors group {name!r} is format {fmt_g!r} with {w.get('num_bits')}-bit "
                     f"{w.get('type')} weights; supported: format 'float-quantized' with 8-bit float "
-                    f"(fp8 e4m3) weights, or 'pack-quantized' with 4-bit int weights"
+                    f"(fp8 e4m3) weights, or 'pack-quantized' with 4- or 8-bit int weights"
                 )
             if w.get("strategy") not in cls.STRATEGIES:
                 raise ValueError(
@@ -228,10 +241,10 @@ class CompressedTensorsMethod(QuantizationMethod):
 
     @staticmethod
     def _check_int_group(name: str, w: dict[str, Any]) -> None:
-        if w.get("type") != "int" or w.get("num_bits") != 4:
+        if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
             raise ValueError(
                 f"compressed-tensors group {name!r} is pack-quantized with {w.get('num_bits')}-bit "
-                f"{w.get('type')} weights; supported: 4-bit int (W4A16)"
+                f"{w.get('type')} weights; supported: 4-bit int (W4A16) or 8-bit int (W8A16)"
             )
         if w.get("actorder") not in ACTORDER_NONE + ACTORDER_GROUP:
             raise ValueError(
@@ -269,6 +282,10 @@ class CompressedTensorsMethod(QuantizationMethod):
         return next(iter(self.config["config_groups"].values()))["weights"]
 
     @property
+    def _int_bits(self) -> int:
+        return self._int_args["num_bits"]
+
+    @property
     def _group_actorder(self) -> bool:
         return self._int_args.get("actorder") in ACTORDER_GROUP
 
@@ -291,7 +308,8 @@ class CompressedTensorsMethod(QuantizationMethod):
         if self._int:
             kind = "asymmetric" if self._asymmetric else "symmetric"
             act = ", group act-order" if self._group_actorder else ""
-            return f"compressed-tensors (pack-quantized int4, {kind}{act}, per {'/'.join(strategies)} weight scales)"
+            return (f"compressed-tensors (pack-quantized int{self._int_bits}, {kind}{act}, per {'/'.join(strategies)} "
+                    "weight scales)")
         return f"compressed-tensors (float-quantized fp8, per {'/'.join(strategies)} weight scales)"
 
     def checkpoint_weights(self, weights: Weights) -> Weights:
@@ -311,17 +329,17 @@ class CompressedTensorsMethod(QuantizationMethod):
                            fmt="compressed-tensors")
 
     def _int_weights(self, weights: Weights) -> Weights:
-        def build(module: str, p: dict[str, Any]) -> IntWeight:
+        def build(module: str, p: dict[str, Any]) -> IntWeight | torch.Tensor:
             rows, cols = (int(v) for v in p["weight_shape"].tolist())
             packed, scale = p["weight_packed"], p["weight_scale"]
             group = self._int_group(cols)
-            if cols % group or tuple(packed.shape) != (rows, -(-cols // 8)) or tuple(scale.shape) != (rows, cols // group):
+            if cols % group or tuple(packed.shape) != (rows, -(-cols // per)) or tuple(scale.shape) != (rows, cols // group):
                 raise ValueError(
                     f"{module}: weight_shape [{rows}, {cols}] with group {group} needs weight_packed "
-                    f"[{rows}, {-(-cols // 8)}] and weight_scale [{rows}, {cols // group}], got "
+                    f"[{rows}, {-(-cols // per)}] and weight_scale [{rows}, {cols // group}], got "
                     f"{tuple(packed.shape)} and {tuple(scale.shape)}"
                 )
-            codes = unpack_int32(packed, 1)[:, :cols].to(torch.int16)
+            codes = unpack_int32(packed, 1, bits=bits)[:, :cols].to(torch.int16)
             # Group act-order: input c belongs to group weight_g_idx[c]; the codes are put in
             # group order (each group contiguous) and the layer permutes x the same way.
             perm = act_order_perm(module, p.get("weight_g_idx"), cols, group)
@@ -329,15 +347,17 @@ class CompressedTensorsMethod(QuantizationMethod):
                 codes = codes[:, perm]
             if asymmetric:
                 zero = p["weight_zero_point"]
-                if tuple(zero.shape) != (-(-rows // 8), cols // group):
+                if tuple(zero.shape) != (-(-rows // per), cols // group):
                     raise ValueError(
                         f"{module}: weight_zero_point {tuple(zero.shape)}; expected "
-                        f"[{-(-rows // 8)}, {cols // group}] (packed along the outputs)"
+                        f"[{-(-rows // per)}, {cols // group}] (packed along the outputs)"
                     )
-                z = unpack_int32(zero, 0)[:rows].to(torch.int16)  # [N, K / G], stored as z + 8
+                z = unpack_int32(zero, 0, bits=bits)[:rows].to(torch.int16)  # [N, K / G], stored as z + offset
             else:
-                z = torch.full((rows, cols // group), 8, dtype=torch.int16)
+                z = torch.full((rows, cols // group), offset, dtype=torch.int16)
             scale = scale.float()
+            if bits == 8:
+                return _eight_bit(codes - offset, z - offset, scale, group, perm)
             if four_bit_is_exact(scale):  # codes q + 8, min -(z + 8) * scale: the same floats
                 mins = -(z.float() * scale)
                 return IntWeight(4, codes.to(torch.uint8).contiguous(), scale.contiguous(), mins.contiguous(), group,
@@ -345,7 +365,8 @@ class CompressedTensorsMethod(QuantizationMethod):
             codes = codes - z.repeat_interleave(group, 1)
             return IntWeight(8, codes.to(torch.int8).contiguous(), scale.contiguous(), None, group, perm)
 
-        asymmetric = self._asymmetric
+        asymmetric, bits = self._asymmetric, self._int_bits
+        per, offset = 32 // bits, 1 << (bits - 1)  # codes a word; stored as code + offset
         required = ("weight_packed", "weight_scale", "weight_shape") + (("weight_zero_point",) if asymmetric else ())
         if self._group_actorder:
             required += ("weight_g_idx",)
@@ -358,10 +379,34 @@ class CompressedTensorsMethod(QuantizationMethod):
                            fmt="compressed-tensors")
 
     def dummy_weight(self, rows, cols, generator, std) -> Fp8Weight | IntWeight:
+        if self._int and self._int_bits == 8:  # a symmetric W8A16 checkpoint's form
+            dev = generator.device
+            codes = torch.randint(-127, 128, (rows, cols), generator=generator, device=dev).to(torch.int8)
+            group = self._int_group(cols)
+            return IntWeight(8, codes, torch.full((rows, cols // group), std / 73.3, device=dev), None, group)
         if self._int:  # 4-bit codes with zero point 8: a symmetric checkpoint's 16-bit-scale form
             w = dummy_int4(rows, cols, self._int_group(cols), generator, std)
             return IntWeight(4, w.codes, w.scales, -8 * w.scales, w.group)
         return dummy_fp8(rows, cols, generator, std)
+
+
+def _eight_bit(q: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, group: int,
+               perm: torch.Tensor | None) -> IntWeight | torch.Tensor:
+    """compressed-tensors 8-bit codes q and zero points z (signed, [N, K] and [N, K / G]) as the
+    library's floats (q - z) * scale: int8 codes without mins where every z is 0, with mins
+    -z * scale where every product is exact (then their sum rounds once, as the library's one
+    product does), else the dense float32 weight itself."""
+    if bool((z == 0).all()):
+        return IntWeight(8, q.to(torch.int8).contiguous(), scale.contiguous(), None, group, perm)
+    if _products_exact(scale, 8):
+        return IntWeight(8, q.to(torch.int8).contiguous(), scale.contiguous(), (-(z.float() * scale)).contiguous(),
+                         group, perm)
+    w = (q - z.repeat_interleave(group, 1)).float() * scale.repeat_interleave(group, 1)
+    if perm is not None:  # back to the checkpoint's input order
+        dense = torch.empty_like(w)
+        dense[:, perm] = w
+        w = dense
+    return w
 
 
 __all__ = ["FP8_MAX", "CompressedTensorsMethod", "Fp8Method", "four_bit_is_exact"]

@@ -7,7 +7,7 @@ the ``fp8`` method's 128x128 blocks and compressed-tensors W4A16 with group act-
 core.quantization.writers (which follows each
 format's layout and also writes the dense model the quantized one stands for, computed from
 the writer's own integer codes), compressed-tensors ``float-quantized`` (per tensor, channel
-and block) and ``pack-quantized`` (W4A16: int4, groups of 128) by the ``compressed-tensors``
+and block) and ``pack-quantized`` (W4A16: int4, groups of 128; W8A16: int8) by the ``compressed-tensors``
 library itself, dequantized for the reference by its definition (fp8: ``code * scale``) or by
 the library's own fake quantization (int4). For each:
 
@@ -44,7 +44,8 @@ from tests.integration.test_engine_hf import hf_greedy, random_prompts
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 WRITER_FORMATS = ("awq", "gptq", "gptq-act-order", "gptq-int8", "fp8-block", "ct-w4a16-group-actorder")
 CT_SCHEMES = {"ct-channel": "FP8_DYNAMIC", "ct-tensor": "FP8", "ct-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
-              "ct-w4a16-channel": "W4A16/channel", "ct-w4a16-asym": "W4A16_ASYM"}  # preset[/weight strategy]
+              "ct-w4a16-channel": "W4A16/channel", "ct-w4a16-asym": "W4A16_ASYM",
+              "ct-w8a16": "W8A16"}  # preset[/weight strategy]
 CT_FULL_SCALES = {"ct-w4a16-channel"}
 """int4 presets whose scales keep all of float32's bits (they load as 8-bit codes, exactly);
 the others' scales are rounded to bf16 first, as checkpoints store them (4-bit codes)."""
@@ -79,14 +80,15 @@ def write_compressed_tensors(src: Path, dst: Path, ref: Path, preset: str, full_
             if not hasattr(module, "weight_scale"):
                 continue
             w, shape = module.weight.float(), module.weight_scale.shape
-            if integer:  # int4 per group or channel: codes -8..7 (symmetric: largest |w| at 7)
+            if integer:  # int4 / int8 per group or channel: codes -8..7 / -128..127 (symmetric: largest |w| at 7 / 127)
                 groups = w.reshape(shape[0], shape[1], -1)
+                top = 2 ** (scheme.weights.num_bits - 1) - 1
                 if scheme.weights.symmetric:
-                    scale = groups.abs().amax(-1) / 7.0
-                else:  # the range [min, max] onto -8..7, zero point rounded into -8..7
+                    scale = groups.abs().amax(-1) / top
+                else:  # the range [min, max] onto the codes, zero point rounded into them
                     lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
-                    scale = (hi - lo) / 15.0
-                    zero = (-8 - lo / scale.clamp(min=1e-8)).round().clamp(-8, 7)
+                    scale = (hi - lo) / (2 * top + 1)
+                    zero = (-(top + 1) - lo / scale.clamp(min=1e-8)).round().clamp(-(top + 1), top)
                     module.weight_zero_point.copy_(zero.to(module.weight_zero_point.dtype))
                 scale = scale.clamp(min=1e-8)
                 if not full_scales:
@@ -242,7 +244,7 @@ def test_fp8_quantization_on_load_of_a_dense_checkpoint(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "gptq-int8", "fp8-block", "ct-tensor", "ct-w4a16",
-                                 "ct-w4a16-channel", "ct-w4a16-group-actorder"])
+                                 "ct-w4a16-channel", "ct-w4a16-group-actorder", "ct-w8a16"])
 def test_kept_quantized_path_gives_the_dequantized_logits(checkpoints, fmt):
     config = _quantized_config(checkpoints[fmt][0])
     dense = load_model(config, cpu_context(), ModelRegistry())
@@ -308,7 +310,7 @@ def test_agreement_with_the_fp32_model_is_measured(checkpoints, capsys, tmp_path
     with capsys.disabled():
         print("\ntop-1 agreement with fp32:", {k: round(v, 3) for k, v in rates.items()})
     for fmt in ALL_FORMATS:
-        four_bit = fmt.startswith(("awq", "gptq", "ct-w4a16")) and fmt != "gptq-int8"
+        four_bit = fmt.startswith(("awq", "gptq", "ct-w4a16")) and fmt != "gptq-int8"  # (ct-w8a16: 8-bit)
         assert rates[fmt] >= (0.15 if four_bit else 0.5), (fmt, rates[fmt])
 
 

@@ -224,7 +224,7 @@ W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "
 @pytest.mark.parametrize("weights,match", [
     ({**W4A16, "actorder": "columns"}, "activation ordering"),
     ({**W4A16, "strategy": "channel", "actorder": "group"}, "needs the group weight strategy"),
-    ({**W4A16, "num_bits": 8}, "supported: 4-bit int"),
+    ({**W4A16, "num_bits": 3}, r"supported: 4-bit int \(W4A16\) or 8-bit int \(W8A16\)"),
     ({**W4A16, "group_size": 48}, "group_size 48"),
     ({**W4A16, "strategy": "tensor"}, "int weight strategy 'tensor'"),
 ])
@@ -408,6 +408,45 @@ def test_a_fused_gguf_layer_of_mixed_block_types_runs_densely(caplog):
     same, _ = qkv((Q4_K, Q4_K, Q4_K))
     same(x)
     assert isinstance(same.packed_weight.weight, IntWeight) and same.weight.numel() == 0
+
+
+def test_compressed_tensors_w8a16_loads_the_library_floats_in_the_form_each_scale_allows():
+    """8-bit pack-quantized (W8A16): four codes a word (byte i of word c is input 4c + i, stored
+    as q + 128; zero points likewise along the outputs). Symmetric: int8 codes q, no mins.
+    Asymmetric with bf16 scales: int8 codes and mins -z * s (every product exact). Asymmetric
+    with scales of more than 16 significant bits: the dense weight. Each dequantizes to
+    (q - z) * s rounded once, the library's definition, bit for bit."""
+    from core.quantization.writers import pack_int32
+
+    gen = torch.Generator().manual_seed(12)
+    rows, cols, g = 8, 256, 128
+    q = torch.randint(-128, 128, (rows, cols), generator=gen)
+    z = torch.randint(-128, 128, (rows, cols // g), generator=gen)
+    word = pack_int32(torch.tensor([[1, 2, 3, 250]], dtype=torch.uint8), 1, bits=8)
+    assert word.item() == np.int32(np.uint32(0xFA030201)).item()
+
+    def load(symmetric, scale):
+        method = resolve_quantization(None, _Config(_ct({**W4A16, "num_bits": 8, "symmetric": symmetric})), None,
+                                      _Everything)
+        parts = {"weight_packed": pack_int32((q + 128).to(torch.uint8), 1, bits=8), "weight_scale": scale,
+                 "weight_shape": torch.tensor([rows, cols])}
+        if not symmetric:
+            parts["weight_zero_point"] = pack_int32((z + 128).to(torch.uint8), 0, bits=8)
+        assert "pack-quantized int8" in method.describe()
+        (_, w), = list(method.checkpoint_weights(iter((f"l.{k}", v) for k, v in parts.items())))
+        return w
+
+    def library(scale, zeros):
+        return (q - zeros.repeat_interleave(g, 1)).float() * scale.repeat_interleave(g, 1)
+
+    bf16 = (torch.rand(rows, cols // g, generator=gen) * 0.01 + 0.001).bfloat16().float()
+    full = ((torch.rand(rows, cols // g, generator=gen) + 0.5).view(torch.int32) | 1).view(torch.float32)
+    sym = load(True, bf16)
+    assert sym.bits == 8 and sym.mins is None and torch.equal(sym.dequantize(), library(bf16, torch.zeros_like(z)))
+    asym = load(False, bf16)
+    assert asym.bits == 8 and asym.mins is not None and torch.equal(asym.dequantize(), library(bf16, z))
+    dense = load(False, full)
+    assert isinstance(dense, torch.Tensor) and torch.equal(dense, library(full, z))
 
 
 def rel_close(a: torch.Tensor, b: torch.Tensor) -> bool:
