@@ -31,7 +31,14 @@ from core.quantization.base import QuantizationMethod, Weights
 from core.quantization.grouping import group_parts
 from core.quantization.int4 import act_order_perm, dummy_int4, unpack_int32
 from core.quantization.kv_cache import KV_SCALE_SUFFIXES
-from core.quantization.tensors import FP8_MAX, Fp8Weight, IntWeight, quantize_fp8_rows
+from core.quantization.tensors import (
+    FP8_MAX,
+    Fp8Weight,
+    IntWeight,
+    eight_bit_weight,
+    products_exact,
+    quantize_fp8_rows,
+)
 
 ACTORDER_NONE = (None, False, "weight", "static")
 """compressed-tensors ``actorder`` values whose checkpoints are stored like none: "weight"
@@ -148,15 +155,7 @@ def four_bit_is_exact(scales: torch.Tensor) -> bool:
     point z of 0..15 and every scale s here: true when each scale is finite (with room for the
     products) and has at most 20 significant bits, since then q * s, z * s and (q - z) * s
     (|q - z| <= 15: 4 bits each) need at most 24, all exact, and so is their sum."""
-    return _products_exact(scales, 4)
-
-
-def _products_exact(scales: torch.Tensor, bits: int) -> bool:
-    """Whether every scale times any integer of ``bits`` bits (magnitude <= 2^bits) is exact in
-    float32: the scales are finite with room for the products and have at most 24 - bits
-    significant bits."""
-    s = scales.float().contiguous()
-    return bool(torch.isfinite(s * 2.0**bits).all()) and bool(((s.view(torch.int32) & ((1 << bits) - 1)) == 0).all())
+    return products_exact(scales, 4)
 
 
 class CompressedTensorsMethod(QuantizationMethod):
@@ -357,7 +356,7 @@ class CompressedTensorsMethod(QuantizationMethod):
                 z = torch.full((rows, cols // group), offset, dtype=torch.int16)
             scale = scale.float()
             if bits == 8:
-                return _eight_bit(codes - offset, z - offset, scale, group, perm)
+                return eight_bit_weight(codes - offset, z - offset, scale, group, perm)
             if four_bit_is_exact(scale):  # codes q + 8, min -(z + 8) * scale: the same floats
                 mins = -(z.float() * scale)
                 return IntWeight(4, codes.to(torch.uint8).contiguous(), scale.contiguous(), mins.contiguous(), group,
@@ -388,25 +387,6 @@ class CompressedTensorsMethod(QuantizationMethod):
             w = dummy_int4(rows, cols, self._int_group(cols), generator, std)
             return IntWeight(4, w.codes, w.scales, -8 * w.scales, w.group)
         return dummy_fp8(rows, cols, generator, std)
-
-
-def _eight_bit(q: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, group: int,
-               perm: torch.Tensor | None) -> IntWeight | torch.Tensor:
-    """compressed-tensors 8-bit codes q and zero points z (signed, [N, K] and [N, K / G]) as the
-    library's floats (q - z) * scale: int8 codes without mins where every z is 0, with mins
-    -z * scale where every product is exact (then their sum rounds once, as the library's one
-    product does), else the dense float32 weight itself."""
-    if bool((z == 0).all()):
-        return IntWeight(8, q.to(torch.int8).contiguous(), scale.contiguous(), None, group, perm)
-    if _products_exact(scale, 8):
-        return IntWeight(8, q.to(torch.int8).contiguous(), scale.contiguous(), (-(z.float() * scale)).contiguous(),
-                         group, perm)
-    w = (q - z.repeat_interleave(group, 1)).float() * scale.repeat_interleave(group, 1)
-    if perm is not None:  # back to the checkpoint's input order
-        dense = torch.empty_like(w)
-        dense[:, perm] = w
-        w = dense
-    return w
 
 
 __all__ = ["FP8_MAX", "CompressedTensorsMethod", "Fp8Method", "four_bit_is_exact"]

@@ -37,7 +37,7 @@ import torch
 
 from core.quantization.base import QuantizationMethod, Weights
 from core.quantization.grouping import group_parts
-from core.quantization.tensors import IntWeight
+from core.quantization.tensors import IntWeight, eight_bit_weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ's nibble order: nibble i of a packed word holds output 8c + AWQ_ORDER[i]."""
@@ -59,16 +59,13 @@ def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None =
 
 
 def _int_weight(q_kn: torch.Tensor, z_gn: torch.Tensor, s_gn: torch.Tensor, group: int,
-                perm: torch.Tensor | None = None, bits: int = 4) -> IntWeight:
+                perm: torch.Tensor | None = None, bits: int = 4) -> IntWeight | torch.Tensor:
     """IntWeight [N, K] from codes [K, N], zero points and scales [K / G, N] (8 bits: codes
     q - 128, mins (128 - z) * s, none where every z is 128; module docstring)."""
     scales = s_gn.float().t().contiguous()
-    z = z_gn.float().t()
     if bits == 8:
-        codes = (q_kn.t().to(torch.int16) - 128).to(torch.int8).contiguous()
-        mins = None if bool((z == 128).all()) else ((128 - z) * scales).contiguous()
-        return IntWeight(8, codes, scales, mins, group, perm)
-    return IntWeight(4, q_kn.t().contiguous(), scales, (-(z * scales)).contiguous(), group, perm)
+        return eight_bit_weight(q_kn.t().to(torch.int16) - 128, z_gn.t().to(torch.int16) - 128, scales, group, perm)
+    return IntWeight(4, q_kn.t().contiguous(), scales, (-(z_gn.float().t() * scales)).contiguous(), group, perm)
 
 
 def _check_bits(method: str, config: dict[str, Any], key: str = "bits", supported: tuple[int, ...] = (4,)) -> int:

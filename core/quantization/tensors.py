@@ -176,6 +176,33 @@ def integer_zero_points(scales: torch.Tensor, mins: torch.Tensor, limit: int) ->
     return z
 
 
+def products_exact(scales: torch.Tensor, bits: int) -> bool:
+    """Whether every scale times any integer of ``bits`` bits (magnitude <= 2^bits) is exact in
+    float32: the scales are finite with room for the products and have at most 24 - bits
+    significant bits."""
+    s = scales.float().contiguous()
+    return bool(torch.isfinite(s * 2.0**bits).all()) and bool(((s.view(torch.int32) & ((1 << bits) - 1)) == 0).all())
+
+
+def eight_bit_weight(q: torch.Tensor, z: torch.Tensor, scale: torch.Tensor, group: int,
+                     perm: torch.Tensor | None) -> IntWeight | torch.Tensor:
+    """Signed 8-bit codes q and zero points z ([N, K] and [N, K / G]; compressed-tensors W8A16,
+    GPTQ 8-bit) as the formats' floats (q - z) * scale rounded once: int8 codes without mins
+    where every z is 0, with mins -z * scale where every product is exact (then their sum
+    rounds once, as the formats' one product does), else the dense float32 weight itself."""
+    if bool((z == 0).all()):
+        return IntWeight(8, q.to(torch.int8).contiguous(), scale.contiguous(), None, group, perm)
+    if products_exact(scale, 8):
+        return IntWeight(8, q.to(torch.int8).contiguous(), scale.contiguous(), (-(z.float() * scale)).contiguous(),
+                         group, perm)
+    w = (q - z.repeat_interleave(group, 1)).float() * scale.repeat_interleave(group, 1)
+    if perm is not None:  # back to the checkpoint's input order
+        dense = torch.empty_like(w)
+        dense[:, perm] = w
+        w = dense
+    return w
+
+
 def is_quantized(t: object) -> bool:
     return isinstance(t, (Fp8Weight, IntWeight))
 
