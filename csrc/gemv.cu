@@ -10,9 +10,11 @@
 // row of x, read through the read-only cache (x is a few KiB, shared by every warp). Each lane
 // accumulates kRows x M float32 partial sums; a butterfly over the warp finishes them, and lane
 // 0 writes the outputs, rounded once to the storage dtype. Float32 accumulation in a
-// different order from cuBLAS: results agree to rounding, not bit for bit. Two variants (see
-// gemv_kernel): a CTA's warps splitting long rows' inputs (the 14,336-input down projection),
-// and SiLU-and-mul of a merged [gate | up] weight in the epilogue.
+// different order from cuBLAS: results agree to rounding, not bit for bit. Variants (see
+// gemv_kernel): a CTA's warps splitting long rows' inputs (the 14,336-input down projection);
+// SiLU-and-mul of a merged [gate | up] weight or the rotary embedding of a fused QKV weight in
+// the epilogue; the residual add of a decoder layer in the epilogue; and the RMSNorm of the
+// input folded in (kNorm), which removes a decode step's norm kernels (see gemv_kernel).
 #include "cuda_compat.h"
 #include "dtype_traits.cuh"
 #include "gemv.h"
@@ -39,11 +41,25 @@ __device__ __forceinline__ uint4 load_ro(const typename T::Storage* p) {
 // weight is a fused QKV projection and a warp takes features j and j + rotary_dim / 2 of one
 // query or key head, rotating them as rotary_kernel does (or two unrotated features); the
 // pairing and the two epilogues are paired_epilogue.cuh's, shared with the quantized GEMV.
+//
+// kFuse & kFoldNorm: x holds un-normed rows h (a decoder layer's residual stream) and the product is of
+// rms_norm(h) * gamma (a.norm_w): each lane multiplies its elements of h by gamma and also sums
+// their squares, which are reduced with the products, and the sums are scaled by
+// rsqrt(mean square + eps) before the epilogue. No CTA waits for a norm: the norm kernel that
+// would run before this one is gone. The values differ from rms_norm followed by this kernel
+// by the rounding of the normed input to the storage dtype (which the product skips).
+// kFuse & kAddResidual (plain epilogue only): each output is round(round(sum) + residual), the
+// residual add that fused_add_rms_norm would do next (a.residual).
 
-template <typename T, int M, int kRows, int kSplit, int kEpi>
+// What a launch folds in besides its epilogue (a bit mask, see below).
+enum GemvFusion { kFoldNorm = 1, kAddResidual = 2 };
+
+template <typename T, int M, int kRows, int kSplit, int kEpi, int kFuse>
 __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs a, const int prefetch_lines) {
   constexpr bool kGated = kEpi == kSiluMul;
   constexpr bool kPaired = kEpi != kPlain;  // a warp's two rows are one output pair
+  constexpr bool kNorm = (kFuse & kFoldNorm) != 0;
+  static_assert(!(kFuse & kAddResidual) || kEpi == kPlain, "the residual is added by the plain epilogue");
   static_assert(kSplit == 1 || kSplit == kWarps, "a CTA's warps are one row group or kWarps of them");
   static_assert(!kPaired || kRows == 2, "the paired epilogues take two rows a warp");
   using S = typename T::Storage;
@@ -68,11 +84,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
     for (int r = 0; r < kRows; ++r) rows[r] = min(n0 + r, a.n - 1);  // tail rows recompute n-1
   }
 
-  float acc[kRows][M];
+  // Row kRows of acc: with kNorm, the sum of squares of each row of x.
+  constexpr int kAcc = kRows + (kNorm ? 1 : 0);
+  float acc[kAcc][M];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < kAcc; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+  const S* gamma = static_cast<const S*>(a.norm_w);
 
   constexpr int kStep = kWarpSize * V;  // elements one pass of the warp covers
   constexpr int kStride = kStep * kSplit;  // between one warp's consecutive passes
@@ -96,10 +115,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
     for (int u = 0; u < kUnroll; ++u) {
       const int k = k0 + u * kStride;
       if (k >= a.k) continue;
+      float gf[V];
+      if constexpr (kNorm) T::to_float(load_ro<T>(gamma + k), gf);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float xf[V];
         T::to_float(load_ro<T>(x + int64_t(m) * a.x_stride + k), xf);
+        if constexpr (kNorm) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            acc[kRows][m] = fmaf(xf[i], xf[i], acc[kRows][m]);
+            xf[i] *= gf[i];
+          }
+        }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           float wf[V];
@@ -113,24 +141,24 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
 
   allow_dependent_launch();  // every weight is read: the next kernel may be scheduled
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < kAcc; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int s = kWarpSize / 2; s > 0; s /= 2) acc[r][m] += warp_shfl_xor(acc[r][m], s);
 
   if constexpr (kSplit > 1) {
-    __shared__ float part[kSplit][kRows][M];
+    __shared__ float part[kSplit][kAcc][M];
     if (lane == 0) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
+      for (int r = 0; r < kAcc; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) part[slice][r][m] = acc[r][m];
     }
     __syncthreads();
     if (slice != 0) return;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kAcc; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float sum = part[0][r][m];
@@ -141,6 +169,14 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
   }
 
   if (lane != 0) return;
+  if constexpr (kNorm) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float inv_rms = rsqrtf(acc[kRows][m] * (1.f / a.k) + a.norm_eps);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r][m] *= inv_rms;
+    }
+  }
   S* out = static_cast<S*>(a.out);
   if constexpr (kEpi == kRope) {
 #pragma unroll
@@ -154,12 +190,19 @@ __global__ void __launch_bounds__(kWarps* kWarpSize) gemv_kernel(const GemvArgs 
       const int n = n0 + r;
       if (n >= a.n) break;
 #pragma unroll
-      for (int m = 0; m < M; ++m) out[int64_t(m) * a.out_stride + n] = T::from_float(acc[r][m]);
+      for (int m = 0; m < M; ++m) {
+        S v = T::from_float(acc[r][m]);
+        if constexpr ((kFuse & kAddResidual) != 0) {
+          const S* res = static_cast<const S*>(a.residual) + int64_t(m) * a.residual_stride + n;
+          v = T::from_float(T::to_float1(v) + T::to_float1(*res));
+        }
+        out[int64_t(m) * a.out_stride + n] = v;
+      }
     }
   }
 }
 
-template <typename T, int M, int kRows, int kSplit, int kEpi>
+template <typename T, int M, int kRows, int kSplit, int kEpi, int kFuse = 0>
 cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
   const int groups = kEpi != kPlain ? a.n / 2 : (a.n + kRows - 1) / kRows;
   constexpr int kGroupsPerCta = kWarps / kSplit;
@@ -167,7 +210,7 @@ cudaError_t launch(const GemvArgs& a, cudaStream_t stream) {
   // Under programmatic dependent launch (cuda_compat.h): the CTAs are resident while the
   // kernel before (the norm, SiLU-and-mul, the attention's reduce) finishes.
   const int lines = prefetch_lines_per_row(a.n, int64_t(a.k) * sizeof(typename T::Storage));
-  return launch_dependent(gemv_kernel<T, M, kRows, kSplit, kEpi>, dim3(blocks), dim3(kWarps * kWarpSize), 0,
+  return launch_dependent(gemv_kernel<T, M, kRows, kSplit, kEpi, kFuse>, dim3(blocks), dim3(kWarps * kWarpSize), 0,
                           stream, a, lines);
 }
 
@@ -186,9 +229,36 @@ cudaError_t dispatch_m(const GemvArgs& a, cudaStream_t stream) {
   }
 }
 
+// The fused forms (kFuse), for the decode steps the dense method sends (one or two rows, one
+// or two rows a warp): the folded norm with each epilogue, the residual add with the plain one.
+template <typename T, int M, int kFuse>
+cudaError_t dispatch_fused_m(const GemvArgs& a, cudaStream_t stream) {
+  const bool split = a.split_k != 1;
+  if constexpr ((kFuse & kAddResidual) == 0) {
+    if (a.silu_and_mul) return split ? launch<T, M, 2, kWarps, kSiluMul, kFuse>(a, stream) : launch<T, M, 2, 1, kSiluMul, kFuse>(a, stream);
+    if (a.rope.heads > 0) return split ? launch<T, M, 2, kWarps, kRope, kFuse>(a, stream) : launch<T, M, 2, 1, kRope, kFuse>(a, stream);
+  }
+  if (a.rows_per_warp == 1) return split ? launch<T, M, 1, kWarps, kPlain, kFuse>(a, stream) : launch<T, M, 1, 1, kPlain, kFuse>(a, stream);
+  return split ? launch<T, M, 2, kWarps, kPlain, kFuse>(a, stream) : launch<T, M, 2, 1, kPlain, kFuse>(a, stream);
+}
+
+template <typename T, int kFuse>
+cudaError_t dispatch_fused(const GemvArgs& a, cudaStream_t stream) {
+  const bool paired = a.silu_and_mul || a.rope.heads > 0;
+  if (a.m > 2 || (a.rows_per_warp != 1 && a.rows_per_warp != 2) || (paired && (kFuse & kAddResidual)) ||
+      (paired && (a.n % 2 != 0 || a.rows_per_warp != 2)) || (a.silu_and_mul && a.rope.heads > 0) ||
+      (a.rope.heads > 0 && !rope_spec_fits(a.rope, a.n))) {
+    return cudaErrorInvalidValue;
+  }
+  return a.m == 1 ? dispatch_fused_m<T, 1, kFuse>(a, stream) : dispatch_fused_m<T, 2, kFuse>(a, stream);
+}
+
 template <typename T>
 cudaError_t dispatch_rows(const GemvArgs& a, cudaStream_t stream) {
   const bool split = a.split_k != 1;
+  if (a.norm_w != nullptr && a.residual != nullptr) return cudaErrorInvalidValue;  // one or the other
+  if (a.norm_w != nullptr) return dispatch_fused<T, kFoldNorm>(a, stream);
+  if (a.residual != nullptr) return dispatch_fused<T, kAddResidual>(a, stream);
   if (a.silu_and_mul || a.rope.heads > 0) {  // pairs of rows: two per warp
     if (a.n % 2 != 0 || a.rows_per_warp != 2 || (a.silu_and_mul && a.rope.heads > 0)) return cudaErrorInvalidValue;
     if (a.silu_and_mul) return split ? dispatch_m<T, 2, kWarps, kSiluMul>(a, stream) : dispatch_m<T, 2, 1, kSiluMul>(a, stream);

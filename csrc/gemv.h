@@ -30,6 +30,15 @@ struct GemvArgs {
   DType dtype;
   // Rotary embedding in the epilogue (rope.heads > 0, launchers.h; rows_per_warp 2, m 1 or 2).
   RopeSpec rope;
+  // RMSNorm folded in (norm_w != nullptr; m 1 or 2, rows_per_warp 1 or 2): x is the un-normed
+  // input h and the product is of rms_norm(h) with weight norm_w [k] and norm_eps, up to the
+  // rounding of the normed input (gemv.cu).
+  const void* norm_w;
+  float norm_eps;
+  // Residual add in the plain epilogue (residual != nullptr, not with norm_w; m 1 or 2): out =
+  // round(round(x @ w.T) + residual), residual [m, n] with row stride residual_stride.
+  const void* residual;
+  int64_t residual_stride;
 };
 cudaError_t gemv(const GemvArgs& args, cudaStream_t stream);
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "gemv.h"
@@ -96,9 +97,40 @@ core_kernels::GemvArgs gemv_args(at::Tensor& out, const at::Tensor& x, const at:
   return a;
 }
 
+// The RMSNorm weight folded into the product (x then holds the un-normed rows): one or two rows
+// of x, a contiguous [k] vector of x's dtype.
+void set_norm(core_kernels::GemvArgs& a, const char* op, const at::Tensor& x, const std::optional<at::Tensor>& norm_weight,
+              double norm_eps) {
+  if (!norm_weight.has_value()) return;
+  const at::Tensor& g = *norm_weight;
+  TORCH_CHECK(x.size(0) <= 2, std::string(op) + ": x has " + std::to_string(x.size(0)) +
+                                  " rows; the folded RMSNorm takes 1 or 2 (use rms_norm, then the GEMV)");
+  TORCH_CHECK(g.is_cuda() && g.device() == x.device() && g.scalar_type() == x.scalar_type() && g.dim() == 1 &&
+                  g.size(0) == x.size(1) && g.is_contiguous() && reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0,
+              std::string(op) + ": norm_weight " + dims(g) + " must be a contiguous, 16-byte aligned CUDA vector of " +
+                  std::to_string(x.size(1)) + " elements of x's dtype on its device");
+  TORCH_CHECK(norm_eps >= 0.0, std::string(op) + ": norm_eps " + std::to_string(norm_eps) + " must be >= 0");
+  a.norm_w = g.data_ptr();
+  a.norm_eps = static_cast<float>(norm_eps);
+}
+
 void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t rows_per_warp, int64_t split_k,
-          bool silu_and_mul) {
-  const core_kernels::GemvArgs a = gemv_args(out, x, weight, rows_per_warp, split_k, silu_and_mul);
+          bool silu_and_mul, const std::optional<at::Tensor>& norm_weight, double norm_eps,
+          const std::optional<at::Tensor>& residual) {
+  core_kernels::GemvArgs a = gemv_args(out, x, weight, rows_per_warp, split_k, silu_and_mul);
+  set_norm(a, "core_C.gemv", x, norm_weight, norm_eps);
+  if (residual.has_value()) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK(!silu_and_mul && !norm_weight.has_value(),
+                "core_C.gemv: residual is added by the plain epilogue only, not with silu_and_mul or norm_weight");
+    TORCH_CHECK(x.size(0) <= 2, "core_C.gemv: x has " + std::to_string(x.size(0)) +
+                                    " rows; the residual add takes 1 or 2 (add after the GEMV)");
+    check_rows(r, x, "residual", false);
+    TORCH_CHECK(r.size(0) == out.size(0) && r.size(1) == out.size(1),
+                "core_C.gemv: residual " + dims(r) + " must have out's shape " + dims(out));
+    a.residual = r.data_ptr();
+    a.residual_stride = r.stride(0);
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv failed: ") + cudaGetErrorString(err));
@@ -108,21 +140,23 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_
 // cos_sin[positions] (rotary_dim features a head), as rotary_embedding rotates them.
 void gemv_rope(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t split_k,
                const at::Tensor& positions, const at::Tensor& cos_sin, int64_t rope_heads, int64_t head_size,
-               int64_t rotary_dim) {
+               int64_t rotary_dim, const std::optional<at::Tensor>& norm_weight, double norm_eps) {
   TORCH_CHECK(x.size(0) <= 2, "core_C.gemv_rope: x has " + std::to_string(x.size(0)) +
                                   " rows; the rotating epilogue takes 1 or 2 (use gemv, then rotary_embedding)");
   core_kernels::GemvArgs a = gemv_args(out, x, weight, 2, split_k, false);
   a.rope = core_kernels::checked_rope("core_C.gemv_rope", x, weight.size(0), positions, cos_sin, rope_heads, head_size,
                                       rotary_dim);
+  set_norm(a, "core_C.gemv_rope", x, norm_weight, norm_eps);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = core_kernels::gemv(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, std::string("core_C.gemv_rope failed: ") + cudaGetErrorString(err));
 }
 
 void gemv_rope_meta(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
-                    int64_t, int64_t, int64_t) {}
+                    int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, double) {}
 
-void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t, int64_t, bool) {
+void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t, int64_t, bool,
+               const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && weight.dim() == 2, "gemv: expected 2-d out, x, weight");
 }
 
@@ -130,14 +164,14 @@ void gemv_meta(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, i
 
 TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def(
-      "gemv(Tensor(a!) out, Tensor x, Tensor weight, int rows_per_warp, int split_k=1, bool silu_and_mul=False) -> "
-      "()");
+      "gemv(Tensor(a!) out, Tensor x, Tensor weight, int rows_per_warp, int split_k=1, bool silu_and_mul=False, "
+      "Tensor? norm_weight=None, float norm_eps=0.0, Tensor? residual=None) -> ()");
 }
 
 TORCH_LIBRARY_FRAGMENT(core_C, m) {
   m.def(
       "gemv_rope(Tensor(a!) out, Tensor x, Tensor weight, int split_k, Tensor positions, Tensor cos_sin, "
-      "int rope_heads, int head_size, int rotary_dim) -> ()");
+      "int rope_heads, int head_size, int rotary_dim, Tensor? norm_weight=None, float norm_eps=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(core_C, CUDA, m) {

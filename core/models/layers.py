@@ -205,24 +205,43 @@ class LinearMethod:
         """Derive ``layer.packed_weight`` from ``layer.weight``. Dense: nothing to derive."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ layer.weight.T + bias`` for this rank's slice of the weight."""
+        """``x @ layer.weight.T + bias`` for this rank's slice of the weight.
+
+        A method whose :meth:`folds_norm` or :meth:`adds_residual` can say yes takes keyword
+        ``norm`` (then ``x`` is un-normed: the product is of ``norm(x)``) or ``residual`` (the
+        result is ``residual + product``, each rounded to ``x``'s dtype); the layers pass them
+        only where it said yes, so this signature stays valid for every other method."""
         return F.linear(x, layer.weight, bias)
 
+    def folds_norm(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether ``apply`` / ``apply_silu_and_mul`` / ``apply_rope`` of ``layer`` over the rows
+        ``x`` may be given the RMSNorm module ``norm`` to apply to ``x`` themselves (one kernel
+        fewer a decode step on CUDA, :class:`platforms.cuda.gemv.CudaDenseLinear`). Dense: no."""
+        return False
+
+    def adds_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether ``apply`` of the (unsharded, bias-free) ``layer`` over the rows ``x`` may be
+        given ``residual`` to add to its product itself. Dense: no."""
+        return False
+
     def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable,
+        norm: nn.Module | None = None,
     ) -> torch.Tensor:
         """``silu_and_mul(apply(layer, x, bias))`` for a ``[gate | up]`` layer (the platform's
         ``silu_and_mul`` op: gate then up, ``[..., d]`` out). A method whose kernel can apply
-        the activation in its epilogue, with the same values, overrides this."""
-        return silu_and_mul(self.apply(layer, x, bias))
+        the activation in its epilogue, with the same values, overrides this (and takes
+        keyword ``norm`` as ``apply`` does, where its :meth:`folds_norm` says yes)."""
+        return silu_and_mul(self.apply(layer, x, bias, **_folded(norm)))
 
     def apply_rope(
         self, layer: QKVParallelLinear, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding, norm: nn.Module | None = None,
     ) -> torch.Tensor | None:
         """``apply`` of a fused QKV layer with its query and key heads already rotated by
         ``rotary`` (the platform's ``rotary_embedding``, same values), where the method's kernel
-        can rotate them in its epilogue; None where it cannot (the caller rotates). Dense: None."""
+        can rotate them in its epilogue; None where it cannot (the caller rotates). Keyword
+        ``norm`` as ``apply``'s, where :meth:`folds_norm` says yes. Dense: None."""
         return None
 
     def prepare_embedding(self, layer: VocabParallelEmbedding) -> None:
@@ -237,6 +256,12 @@ class LinearMethod:
 
 DENSE = LinearMethod()
 """The dense format (stateless, shared)."""
+
+
+def _folded(norm: nn.Module | None) -> dict[str, nn.Module]:
+    """The keyword that hands a linear method a norm it folds (none without one, so methods
+    that never fold keep their plain signatures)."""
+    return {} if norm is None else {"norm": norm}
 
 
 def _rows_at(dst: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
@@ -300,8 +325,18 @@ class ColumnParallelLinear(nn.Module):
             f"bias={self.bias is not None}, format={self.linear_method.name}"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_method.apply(self, x, self.bias)
+    def unfolded(self, x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, nn.Module | None]:
+        """``(x, norm)`` where this layer's method folds ``norm`` into its product over ``x``
+        (:meth:`LinearMethod.folds_norm`), else ``(norm(x), None)``."""
+        if norm is None or self.linear_method.folds_norm(self, x, norm):
+            return x, norm
+        return norm(x), None
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """``x W^T + b``; with ``norm`` (an RMSNorm module), of ``norm(x)``, which the format's
+        method may apply inside its kernel."""
+        x, norm = self.unfolded(x, norm)
+        y = self.linear_method.apply(self, x, self.bias, **_folded(norm))
         if self.gather_output and self.comm.world_size > 1:
             y = self.comm.all_gather(y, dim=-1)
         return y
@@ -326,12 +361,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = ctx.comm.world_size
         self.sizes_per_rank = [_divide(s, tp, "merged output size") for s in output_sizes]
 
-    def silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable) -> torch.Tensor:
-        """``silu_and_mul(self(x))`` of a ``[gate, up]`` pair through the format's
-        :meth:`LinearMethod.apply_silu_and_mul` (which may fuse the two)."""
+    def silu_and_mul(self, x: torch.Tensor, silu_and_mul: Callable, norm: nn.Module | None = None) -> torch.Tensor:
+        """``silu_and_mul(self(x, norm))`` of a ``[gate, up]`` pair through the format's
+        :meth:`LinearMethod.apply_silu_and_mul` (which may fuse the two, and the norm)."""
         if len(self.sizes_per_rank) != 2 or self.sizes_per_rank[0] != self.sizes_per_rank[1]:
             raise ValueError(f"silu_and_mul needs a merged layer of two equal outputs, not {self.sizes_per_rank}")
-        return self.linear_method.apply_silu_and_mul(self, x, self.bias, silu_and_mul)
+        x, norm = self.unfolded(x, norm)
+        return self.linear_method.apply_silu_and_mul(self, x, self.bias, silu_and_mul, **_folded(norm))
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         if shard is None or not 0 <= shard < len(self.sizes_per_rank):
@@ -377,11 +413,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         total = (self.num_heads + 2 * self.num_kv_heads) * head_size
         super().__init__(hidden_size, total * tp, ctx, bias)
 
-    def rotated(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor | None:
-        """``self(x)`` with every query and key head of this rank rotated by ``rotary`` at
+    def rotated(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, norm: nn.Module | None = None
+    ) -> torch.Tensor | None:
+        """``self(x, norm)`` with every query and key head of this rank rotated by ``rotary`` at
         ``positions``, in one step where the format's method can (:meth:`LinearMethod.apply_rope`),
-        else None (the caller projects, then rotates)."""
-        return self.linear_method.apply_rope(self, x, self.bias, positions, rotary)
+        else None (the caller projects, then rotates). A ``norm`` the method does not fold is
+        the caller's to apply first (see :meth:`unfolded`)."""
+        if norm is not None and not self.linear_method.folds_norm(self, x, norm):
+            return None
+        return self.linear_method.apply_rope(self, x, self.bias, positions, rotary, **_folded(norm))
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         if shard == "q":
@@ -423,11 +464,18 @@ class RowParallelLinear(nn.Module):
             f"bias={self.bias is not None}, format={self.linear_method.name}"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b``, all-reduced; with ``residual``, ``residual + that`` (each rounded to
+        the dtype), which the format's method may add in its kernel (unsharded, no bias)."""
         if self.comm.world_size == 1:
-            return self.linear_method.apply(self, x, self.bias)
-        y = self.comm.all_reduce(self.linear_method.apply(self, x, None))
-        return y + self.bias if self.bias is not None else y
+            if (residual is not None and self.bias is None
+                    and self.linear_method.adds_residual(self, x, residual)):
+                return self.linear_method.apply(self, x, None, residual=residual)
+            y = self.linear_method.apply(self, x, self.bias)
+        else:
+            y = self.comm.all_reduce(self.linear_method.apply(self, x, None))
+            y = y + self.bias if self.bias is not None else y
+        return y if residual is None else residual + y
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
         if name == "bias":  # the bias is not split: it is added after the reduction

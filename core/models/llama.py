@@ -114,8 +114,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [size] * 2, ctx, bias=a.mlp_bias)
         self.down_proj = RowParallelLinear(size, a.hidden_size, ctx, bias=a.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.ops.silu_and_mul))
+    def forward(
+        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``; with ``norm``, of ``norm(x)``; with ``residual``,
+        plus ``residual`` (the decoder layer's folded form: :meth:`LlamaDecoderLayer.forward`)."""
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.ops.silu_and_mul, norm), residual)
 
 
 MakeMLP = Callable[[LlamaArgs, ModelContext, int], nn.Module]
@@ -154,13 +158,18 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention output projected; with ``norm``, of ``norm(x)``; with ``residual``,
+        plus ``residual`` (the decoder layer's folded form: :meth:`LlamaDecoderLayer.forward`)."""
+        x, norm = self.qkv_proj.unfolded(x, norm)
         # A family without per-head work lets the projection rotate q and k itself, where its
         # format's kernel can (one kernel fewer a layer on CUDA decode steps).
-        qkv = self.qkv_proj.rotated(x, positions, self.rotary_emb) if self._rope_in_projection else None
+        qkv = self.qkv_proj.rotated(x, positions, self.rotary_emb, norm) if self._rope_in_projection else None
         rotated = qkv is not None
         if not rotated:
-            qkv = self.qkv_proj(x)
+            qkv = self.qkv_proj(x, norm)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         d = self.spec.head_size
@@ -170,7 +179,7 @@ class LlamaAttention(nn.Module):
         if not rotated:
             q, k = self.rotary_emb(positions, *self.per_head(q, k))
         out = self.attn.forward(q, k, v, kv_cache, metadata)  # [T, H, D]
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(out.shape[0], -1), residual)
 
     def per_head(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a family does to each query and key head before the rotary embedding
@@ -208,7 +217,14 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._folds_norms(x):
+            # The norms go into the projections after them and the residual adds into the
+            # projections before (CUDA decode steps: no norm kernel): the layer returns the
+            # residual stream itself, with residual None.
+            h = x if residual is None else x + residual
+            h = self.self_attn(positions, h, kv_cache, metadata, self.input_layernorm, h)
+            return self.mlp(h, self.post_attention_layernorm, h), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -216,6 +232,16 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, kv_cache, metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+    def _folds_norms(self, x: torch.Tensor) -> bool:
+        """Whether this step takes the folded form: core's own attention and MLP blocks (whose
+        forwards take the norm and the residual) and norms, and a QKV projection whose format
+        folds the input norm at these rows (each projection still falls back on its own)."""
+        attn = self.self_attn
+        return (type(attn).forward is LlamaAttention.forward and type(self.mlp).forward is LlamaMLP.forward
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                and attn.qkv_proj.linear_method.folds_norm(attn.qkv_proj, x, self.input_layernorm))
 
 
 class LlamaModel(nn.Module):

@@ -178,17 +178,24 @@ class QuantizeOnLoad(LinearMethod):
     def prepare(self, layer: nn.Module) -> None:
         self.inner.prepare(layer)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.inner.apply(layer, x, bias)
+    def folds_norm(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module) -> bool:
+        return self.inner.folds_norm(layer, x, norm)
+
+    def adds_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return self.inner.adds_residual(layer, x, residual)
+
+    # The norm and residual keywords reach the inner method only where it said it takes them.
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **folded: Any) -> torch.Tensor:
+        return self.inner.apply(layer, x, bias, **folded)
 
     def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable, **folded: Any
     ) -> torch.Tensor:
-        return self.inner.apply_silu_and_mul(layer, x, bias, silu_and_mul)
+        return self.inner.apply_silu_and_mul(layer, x, bias, silu_and_mul, **folded)
 
     def apply_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                   rotary: nn.Module) -> torch.Tensor | None:
-        return self.inner.apply_rope(layer, x, bias, positions, rotary)
+                   rotary: nn.Module, **folded: Any) -> torch.Tensor | None:
+        return self.inner.apply_rope(layer, x, bias, positions, rotary, **folded)
 
 
 def linear_method_for(platform: Platform, model: ModelConfig, dtype: torch.dtype) -> LinearMethod:

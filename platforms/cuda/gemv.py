@@ -60,31 +60,44 @@ def split_k_for(per_warp: int) -> int:
     return GEMV_SPLIT_K if per_warp in (1, 2) else 1
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, split_k: int | None = None) -> torch.Tensor:
-    """``x @ weight.T`` through the kernel (callers check :func:`gemv_fits` first)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, split_k: int | None = None,
+         norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` through the kernel (callers check :func:`gemv_fits` first).
+
+    :param norm: ``(gamma, eps)``: ``x`` is un-normed and the product is of its RMSNorm (one or
+        two rows; the values of ``rms_norm`` followed by this kernel up to the rounding of the
+        normed input, which the kernel skips: csrc/gemv.cu).
+    :param residual: [m, n]: returns ``round(x @ weight.T) + residual`` rounded once more (one
+        or two rows), the residual add ``fused_add_rms_norm`` does; not with ``norm``."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     per_warp = per_warp or rows_per_warp(weight.shape[0])
-    load_ops().gemv(out, x, weight, per_warp, split_k or split_k_for(per_warp))
+    gamma, eps = norm if norm is not None else (None, 0.0)
+    load_ops().gemv(out, x, weight, per_warp, split_k or split_k_for(per_warp), False, gamma, eps, residual)
     return out
 
 
 def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-              rope_heads: int, head_size: int, rotary_dim: int) -> torch.Tensor:
+              rope_heads: int, head_size: int, rotary_dim: int,
+              norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``x @ weight.T`` of a fused QKV weight with its first ``rope_heads`` heads (query, then
     key) rotated by ``cos_sin[positions]`` in the epilogue: the values of :func:`gemv` followed
-    by the platform's ``rotary_embedding`` (each projection rounded to the storage dtype first)."""
+    by the platform's ``rotary_embedding`` (each projection rounded to the storage dtype first).
+    ``norm``: as :func:`gemv`'s."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    gamma, eps = norm if norm is not None else (None, 0.0)
     load_ops().gemv_rope(out, x, weight, split_k_for(2), positions.contiguous(), cos_sin, rope_heads, head_size,
-                         rotary_dim)
+                         rotary_dim, gamma, eps)
     return out
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ weight.T`` for a ``[gate | up]`` weight [2d, k], in one
     kernel: out [m, d], equal to :func:`gemv` followed by the platform's ``silu_and_mul``
-    (one gate and one up row per warp; the same sums, the same roundings)."""
+    (one gate and one up row per warp; the same sums, the same roundings). ``norm``: as
+    :func:`gemv`'s."""
     out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-    load_ops().gemv(out, x, weight, 2, split_k_for(2), True)
+    gamma, eps = norm if norm is not None else (None, 0.0)
+    load_ops().gemv(out, x, weight, 2, split_k_for(2), True, gamma, eps)
     return out
 
 
@@ -139,6 +152,21 @@ def fuses_rope(layer: nn.Module, x2: torch.Tensor, positions: torch.Tensor, rota
             and positions.dtype == torch.int64 and positions.numel() == x2.shape[0])
 
 
+def _folded_norm(norm: nn.Module, x2: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """``norm``'s ``(gamma, eps)`` where the kernel may fold it into its product over rows
+    ``x2`` (one or two): core's own ``RMSNorm`` (not a subclass, whose forward may differ)
+    calling this platform's ``rms_norm`` op (not a plugin's override), with a gamma the kernel
+    reads as it reads x (x's dtype, device and length, contiguous, 16-byte aligned); else None."""
+    from core.models.layers import RMSNorm
+
+    g = norm.weight
+    if not (type(norm) is RMSNorm and norm.ops.rms_norm is _platform_op("rms_norm") and x2.shape[0] <= 2
+            and g.dtype == x2.dtype and g.device == x2.device and g.dim() == 1 and g.shape[0] == x2.shape[1]
+            and g.is_contiguous() and g.data_ptr() % 16 == 0):
+        return None
+    return g, norm.eps
+
+
 class CudaDenseLinear(LinearMethod):
     """The dense format on CUDA: ``x @ W.T`` through :func:`gemv` where
     :func:`dense_takes_gemv` says so, else cuBLAS (``F.linear``). fp32 keeps cuBLAS everywhere
@@ -160,39 +188,73 @@ class CudaDenseLinear(LinearMethod):
             return x2
         return None
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def folds_norm(self, layer: nn.Module, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Where the kernel takes ``layer`` at these rows (one or two) and ``norm`` is this
+        platform's RMSNorm (:func:`_folded_norm`): the kernel normalises ``x`` itself, so a
+        decode step runs no norm kernel (csrc/gemv.cu, kFoldNorm)."""
+        x2 = self.gemv_rows(x, layer.weight, layer.bias)
+        return x2 is not None and _folded_norm(norm, x2) is not None
+
+    def adds_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Where the kernel takes ``layer`` at these rows (one or two), it adds ``residual`` in
+        its epilogue (csrc/gemv.cu, kAddResidual)."""
+        x2 = self.gemv_rows(x, layer.weight, layer.bias)
+        return (x2 is not None and residual.dtype == x.dtype and residual.device == x.device
+                and residual.shape == (*x.shape[:-1], layer.weight.shape[0]) and residual.stride(-1) == 1)
+
+    def _rows_and_norm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """``x`` (normed here where the kernel cannot fold ``norm``), its kernel rows (None:
+        not the kernel's) and the folded norm's ``(gamma, eps)``."""
         x2 = self.gemv_rows(x, layer.weight, bias)
-        if x2 is None:
+        folded = _folded_norm(norm, x2) if norm is not None and x2 is not None else None
+        if norm is not None and folded is None:
+            x = norm(x)
+            x2 = self.gemv_rows(x, layer.weight, bias)
+        return x, x2, folded
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, norm: nn.Module | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias``; with ``norm`` (where :meth:`folds_norm`) of ``norm(x)``, with
+        ``residual`` (where :meth:`adds_residual`, not with ``norm``) plus ``residual``."""
+        if residual is not None and (norm is not None or not self.adds_residual(layer, x, residual)):
+            return residual + self.apply(layer, x, bias, norm)
+        x, x2, folded = self._rows_and_norm(layer, x, bias, norm)
+        if x2 is None:  # (never with a residual: adds_residual said the kernel takes these rows)
             return F.linear(x, layer.weight, bias)
-        y = gemv(x2, layer.weight)
+        res2 = residual.reshape(x2.shape[0], -1) if residual is not None else None
+        y = gemv(x2, layer.weight, norm=folded, residual=res2)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: Callable,
+        norm: nn.Module | None = None,
     ) -> torch.Tensor:
         """Where the kernel takes the gate/up projection, SiLU-and-mul runs in its epilogue
         (:func:`gemv_silu_and_mul`: the values of the kernel followed by the platform's
         ``silu_and_mul``, one kernel fewer a layer) when the op it is given is that op; else
-        the two ops."""
-        x2 = self.gemv_rows(x, layer.weight, bias)
+        the two ops. ``norm``: as :meth:`apply`'s."""
+        x, x2, folded = self._rows_and_norm(layer, x, bias, norm)
         if x2 is None or not fuses_silu_and_mul(silu_and_mul, layer.weight.shape[0] // 2, x):
-            return silu_and_mul(self.apply(layer, x, bias))
-        y = gemv_silu_and_mul(x2, layer.weight)
+            return silu_and_mul(self.apply(layer, x, bias, norm if folded is not None else None))
+        y = gemv_silu_and_mul(x2, layer.weight, norm=folded)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def apply_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                   rotary: nn.Module) -> torch.Tensor | None:
+                   rotary: nn.Module, norm: nn.Module | None = None) -> torch.Tensor | None:
         """Where the kernel takes the fused QKV projection, the query and key heads are rotated
         in its epilogue (:func:`gemv_rope`; the values of the kernel followed by the platform's
         ``rotary_embedding`` kernel, one kernel fewer a layer), if that op would run its kernel
         on these heads (whole 16-byte vectors: rotary_dim / 2 and the unrotated tail); else
-        None."""
+        None. ``norm``: as :meth:`apply`'s (only where :meth:`folds_norm`: a None result leaves
+        ``x`` to the caller un-normed)."""
         x2 = self.gemv_rows(x, layer.weight, bias)
-        if x2 is None or not fuses_rope(layer, x2, positions, rotary):
+        folded = _folded_norm(norm, x2) if norm is not None and x2 is not None else None
+        if x2 is None or (norm is not None and folded is None) or not fuses_rope(layer, x2, positions, rotary):
             return None
         d, rot = layer.head_size, rotary.rotary_dim
         y = gemv_rope(x2, layer.weight, positions.reshape(-1), rotary.cos_sin_cache,
-                      layer.num_heads + layer.num_kv_heads, d, rot)
+                      layer.num_heads + layer.num_kv_heads, d, rot, norm=folded)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

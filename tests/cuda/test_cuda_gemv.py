@@ -183,7 +183,7 @@ def test_the_dense_method_fuses_silu_and_mul_where_it_takes_the_kernel(monkeypat
 
     fused_calls = []
     real = gemv_mod.gemv_silu_and_mul
-    monkeypatch.setattr(gemv_mod, "gemv_silu_and_mul", lambda *a: fused_calls.append(1) or real(*a))
+    monkeypatch.setattr(gemv_mod, "gemv_silu_and_mul", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     g = torch.Generator(device="cuda").manual_seed(11 * m)
     d, k = 1024, 4096
     layer = _layer(2 * d, k, dtype, g)
@@ -366,3 +366,185 @@ def test_gemv_rope_refusals_name_the_limits():
     x3, pos3 = torch.randn(3, 64, device="cuda").bfloat16(), torch.zeros(3, dtype=torch.int64, device="cuda")
     with pytest.raises(RuntimeError, match="takes 1 or 2"):
         ops.gemv_rope(torch.empty(3, 48, device="cuda").bfloat16(), x3, w, 1, pos3, cs, 2, 16, 8)
+
+
+def _norm_case(m, n, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = (7 * torch.randn(m, k, device="cuda", generator=g)).to(dtype)  # a residual stream, far from unit scale
+    gamma = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    normed = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.double()
+    return h, gamma, w, normed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_warp,split", [(1, 1), (1, 4), (2, 1), (2, 4)])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_with_the_norm_folded_in_matches_float64(dtype, per_warp, split, m):
+    """kFoldNorm: the product of rms_norm(h) * gamma for un-normed rows h, against float64, and
+    on average no farther from it than the CUDA rms_norm op followed by the plain kernel (which
+    rounds the normed input to the dtype first: the one difference between the two)."""
+    from platforms.cuda.gemv import gemv
+    from platforms.cuda.ops import rms_norm
+
+    h, gamma, w, normed = _norm_case(m, 1027, 4096 + 8 * 37, dtype, 100 * m + 10 * per_warp + split)
+    got = gemv(h, w, per_warp, split, norm=(gamma, 1e-5))
+    want = normed @ w.double().T
+    tol = _TOL[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    two_kernels = gemv(rms_norm(h, gamma, 1e-5), w, per_warp, split)
+    torch.testing.assert_close(two_kernels.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    if dtype != torch.float32:
+        assert (got.double() - want).abs().mean() <= (two_kernels.double() - want).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_folded_norm_takes_the_silu_and_rotary_epilogues(dtype, m, split):
+    """kFoldNorm with SiLU-and-mul (gate/up) and with the rotary embedding (QKV): the value
+    heads and unrotated features equal the plain folded kernel's bit for bit, and everything
+    agrees with the float64 norm, product and epilogue."""
+    from core.models.rope import cos_sin_table
+    from platforms.cuda.gemv import gemv, gemv_rope, gemv_silu_and_mul
+
+    d, k = 1032, 2048
+    h, gamma, w, normed = _norm_case(m, 2 * d, k, dtype, 7 + m + split)
+    got = gemv_silu_and_mul(h, w, norm=(gamma, 1e-5))
+    p = normed @ w.double().T
+    want = torch.nn.functional.silu(p[:, :d]) * p[:, d:]
+    tol = 3 * _TOL[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+    heads, kv_heads, hd, rot = 4, 2, 128, 64
+    h, gamma, w, normed = _norm_case(m, (heads + 2 * kv_heads) * hd, k, dtype, 9 + m + split)
+    positions = torch.tensor([5, 4000][:m], device="cuda")
+    cs = cos_sin_table(rot, {"rope_type": "default", "rope_theta": 500000.0}, 4096).cuda()
+    got = torch.empty(m, w.shape[0], device="cuda", dtype=dtype)
+    from platforms.cuda.build import load_ops
+
+    load_ops().gemv_rope(got, h, w, split, positions, cs, heads + kv_heads, hd, rot, gamma, 1e-5)
+    if split == 4:
+        assert torch.equal(got, gemv_rope(h, w, positions, cs, heads + kv_heads, hd, rot, norm=(gamma, 1e-5)))
+    plain = gemv(h, w, 2, split, norm=(gamma, 1e-5))
+    qk = (heads + kv_heads) * hd
+    assert torch.equal(got[:, qk:], plain[:, qk:])  # value heads
+    got_heads = got[:, :qk].reshape(m, heads + kv_heads, hd)
+    assert torch.equal(got_heads[..., rot:], plain[:, :qk].reshape(m, heads + kv_heads, hd)[..., rot:])
+    p = (normed @ w.double().T)[:, :qk].reshape(m, heads + kv_heads, hd)
+    c, s = (t[:, None, :] for t in cs[positions].double().chunk(2, dim=-1))
+    x1, x2 = p[..., : rot // 2], p[..., rot // 2 : rot]
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, p[..., rot:]], dim=-1)
+    torch.testing.assert_close(got_heads.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_warp,split", [(1, 1), (1, 4), (2, 1), (2, 4)])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_adds_the_residual_in_its_epilogue(dtype, per_warp, split, m):
+    """kAddResidual: bit for bit the plain kernel's output plus the residual in torch (each
+    rounded to the dtype: what fused_add_rms_norm's residual add computes), into strided rows."""
+    from platforms.cuda.gemv import gemv
+
+    n, k = 1027, 4096
+    g = torch.Generator(device="cuda").manual_seed(31 * m + per_warp + split)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    r = (5 * torch.randn(m, n + 5, device="cuda", generator=g)).to(dtype)[:, :n]
+    assert torch.equal(gemv(x, w, per_warp, split, residual=r), gemv(x, w, per_warp, split) + r)
+
+
+def test_the_folded_forms_refuse_what_they_do_not_take():
+    from platforms.cuda.build import load_ops
+
+    ops = load_ops()
+    x3, w = torch.randn(3, 64, device="cuda").bfloat16(), torch.randn(32, 64, device="cuda").bfloat16()
+    gamma = torch.ones(64, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="folded RMSNorm takes 1 or 2"):
+        ops.gemv(torch.empty(3, 32, device="cuda").bfloat16(), x3, w, 1, 1, False, gamma, 1e-5)
+    x = x3[:1]
+    out = torch.empty(1, 32, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="norm_weight \\[48\\] must be .* of 64 elements"):
+        ops.gemv(out, x, w, 1, 1, False, torch.ones(48, device="cuda").bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.gemv(out, x, w, 1, 1, False, gamma.float(), 1e-5)
+    with pytest.raises(RuntimeError, match="not with silu_and_mul or norm_weight"):
+        ops.gemv(out, x, w, 1, 1, False, gamma, 1e-5, out.clone())
+    with pytest.raises(RuntimeError, match="not with silu_and_mul or norm_weight"):
+        ops.gemv(torch.empty(1, 16, device="cuda").bfloat16(), x, w, 2, 1, True, None, 0.0, out.clone())
+    with pytest.raises(RuntimeError, match="must have out's shape"):
+        ops.gemv(out, x, w, 1, 1, False, None, 0.0, torch.empty(1, 31, device="cuda").bfloat16())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_the_dense_method_folds_core_rms_norm_and_adds_the_residual_where_it_takes_the_kernel(m):
+    """CudaDenseLinear.folds_norm / adds_residual: yes at 1-2 bf16 rows on Hopper or newer for
+    core's RMSNorm on this platform's op, and then apply equals the folded kernel; no at 3
+    rows, for an RMSNorm subclass, or for a plugin's rms_norm op (applied by the layer)."""
+    from core.models.layers import RMSNorm
+    from core.ops import Ops
+    from platforms.cuda.gemv import CUDA_DENSE, gemv
+    from platforms.cuda.ops import cuda_ops
+
+    h, gamma, w, _ = _norm_case(m, 1024, 4096, torch.bfloat16, 40 + m)
+    layer = torch.nn.Module()
+    layer.weight, layer.bias = torch.nn.Parameter(w), None
+    ctx = types.SimpleNamespace(ops=Ops(cuda_ops()), device=torch.device("cuda"), dtype=torch.bfloat16)
+    norm = RMSNorm(4096, 1e-5, ctx)
+    norm.weight.data.copy_(gamma)
+    r = torch.randn(m, 1024, device="cuda").bfloat16()
+    takes = m <= 2 and torch.cuda.get_device_capability()[0] >= 9
+    assert CUDA_DENSE.folds_norm(layer, h, norm) == takes
+    assert CUDA_DENSE.adds_residual(layer, h, r) == takes
+    if takes:
+        assert torch.equal(CUDA_DENSE.apply(layer, h, None, norm=norm), gemv(h, w, norm=(gamma, 1e-5)))
+        assert torch.equal(CUDA_DENSE.apply(layer, h, None, residual=r), gemv(h, w, residual=r))
+
+    class Shifted(RMSNorm):
+        def forward(self, x, residual=None):
+            return super().forward(x, residual)
+
+    assert not CUDA_DENSE.folds_norm(layer, h, Shifted(4096, 1e-5, ctx))
+    plugin = types.SimpleNamespace(ops=Ops({**cuda_ops(), "rms_norm": lambda *a: None}), device=ctx.device,
+                                   dtype=torch.bfloat16)
+    assert not CUDA_DENSE.folds_norm(layer, h, RMSNorm(4096, 1e-5, plugin))
+
+
+def test_the_folded_decode_steps_agree_with_the_fp32_model_as_the_unfolded_do(tiny_llama, monkeypatch):
+    """A tiny bf16 Llama on CUDA, teacher-forced one decode row a step (the rows the folded
+    layer takes: no norm kernel, the residual added by the output and down projections): its
+    logits stay as close to the CPU fp32 model's as those of the same steps with folding off,
+    and the most likely token agrees as often; the folded path was taken."""
+    from core import LLM
+    from platforms.cuda import gemv as gemv_mod
+    from tests.integration.test_cpu_formats import teacher_forced_logits
+    from tests.integration.test_engine_hf import random_prompts
+
+    path = tiny_llama(seed=11, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2)
+    prompts = random_prompts(4, 512, seed=12, lo=5, hi=20)
+    conts = random_prompts(4, 512, seed=13, lo=24, hi=25)
+
+    def logits(**kw):
+        llm = LLM(model=str(path), max_model_len=256, kv_cache_memory="32MiB", **kw)
+        out = torch.cat([teacher_forced_logits(llm, p, c).float().cpu() for p, c in zip(prompts, conts)])
+        llm.engine.shutdown()
+        return out
+
+    ref = logits(platform="cpu", dtype="float32")
+    calls = []
+    real = gemv_mod.gemv
+    # (the residual reaches the GEMV only in the folded layer form)
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k.get("residual") is not None) or real(*a, **k))
+    folded = logits(platform="cuda", dtype="bfloat16", enforce_eager=True)
+    assert sum(calls) > 0
+    monkeypatch.setattr(gemv_mod.CudaDenseLinear, "folds_norm", lambda *a: False)
+    monkeypatch.setattr(gemv_mod.CudaDenseLinear, "adds_residual", lambda *a: False)
+    plain = logits(platform="cuda", dtype="bfloat16", enforce_eager=True)
+    err_folded, err_plain = (folded - ref).abs().mean().item(), (plain - ref).abs().mean().item()
+    top_folded = (folded.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    top_plain = (plain.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"\nmean |logit - fp32|: folded {err_folded:.4f}, unfolded {err_plain:.4f}; "
+          f"top-1 agreement {top_folded:.3f} / {top_plain:.3f}")
+    assert err_folded <= 1.1 * err_plain
+    assert top_folded >= top_plain - 0.05

@@ -392,3 +392,69 @@ def test_a_format_that_rotates_in_the_qkv_projection_gives_the_same_model(tiny_l
         torch.testing.assert_close(got[s][1], want[s][1], rtol=1e-5, atol=1e-5)
     asks = LlamaAttention._rope_in_projection.fget
     assert asks(object.__new__(LlamaAttention)) and not asks(object.__new__(Qwen3Attention))
+
+
+class _FoldingDense:
+    """A dense format that folds the input norm into its products and adds the residual itself
+    for decode-sized steps (at most three rows), as the CUDA GEMV does on one or two rows; it
+    records what it was handed."""
+
+    def __new__(cls, calls):
+        from core.models.layers import LinearMethod
+
+        class FoldingDense(LinearMethod):
+            name = "folding"
+
+            def folds_norm(self, layer, x, norm):
+                return x.shape[0] <= 3
+
+            def adds_residual(self, layer, x, residual):
+                return x.shape[0] <= 3
+
+            def apply(self, layer, x, bias, norm=None, residual=None):
+                calls.append(("norm" if norm is not None else "") + ("residual" if residual is not None else ""))
+                y = F.linear(norm(x) if norm is not None else x, layer.weight, bias)
+                return y if residual is None else residual + y
+
+        return FoldingDense()
+
+
+def test_a_format_that_folds_the_norms_and_residual_adds_gives_the_same_model(tiny_llama):
+    """LlamaDecoderLayer's folded form (LinearMethod.folds_norm / adds_residual: the input norm
+    handed to the QKV and gate/up projections, the residual added by the output and down
+    projections, the layer returning the residual stream itself) leaves every logit and greedy
+    choice of a mixed prefill/decode schedule unchanged; the prefill steps keep the plain form.
+    A norm the format does not fold is applied by the layer first."""
+    from tests.helpers import load_tiny, run_schedule
+
+    path = tiny_llama()
+    want = run_schedule(load_tiny(path), vocab=128, decode_steps=3)
+    model = load_tiny(path)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.linear_method = _FoldingDense(calls)
+    got = run_schedule(model, vocab=128, decode_steps=3)
+    layers = len(model.model.layers)
+    # The three decode-only steps fold, every layer; steps 1 and 2 (prefill chunks) do not.
+    assert calls.count("norm") == 2 * layers * 3 and calls.count("residual") == 2 * layers * 3
+    assert calls.count("") == 4 * layers * 2, calls
+    for s in want:
+        assert got[s][0] == want[s][0]
+        assert torch.equal(got[s][1].argmax(-1), want[s][1].argmax(-1))
+        torch.testing.assert_close(got[s][1], want[s][1], rtol=1e-5, atol=1e-5)
+
+
+def test_linear_layers_apply_a_norm_or_residual_their_format_does_not_take():
+    """The dense format folds nothing: ColumnParallelLinear(x, norm) is F.linear of norm(x),
+    RowParallelLinear(x, residual) is residual + F.linear(x) (bias included), bit for bit."""
+    w, b, x, r = rand(24, 16, seed=1), rand(24, seed=2), rand(2, 16, seed=3), rand(2, 24, seed=4)
+    norm = RMSNorm(16, 1e-6, ctx_for())
+    norm.load_weight("weight", rand(16, seed=5))
+    col = ColumnParallelLinear(16, 24, ctx_for())
+    col.load_weight("weight", w)
+    assert torch.equal(col(x, norm), F.linear(norm(x), w))
+    row = RowParallelLinear(16, 24, ctx_for(), bias=True)
+    row.load_weight("weight", w)
+    row.load_weight("bias", b)
+    assert torch.equal(row(x, r), r + F.linear(x, w, b))
