@@ -9,7 +9,9 @@ resident while the norm or attention before it finishes; cuBLAS's kernels cannot
 so), which is what :class:`CudaDenseLinear` uses it for (docs/benchmarks/cuda_e2e.md); since
 session 18 it splits long rows across a CTA's warps (the down projection, now faster than
 cuBLAS's split-K on the H100) and applies the MLP's SiLU-and-mul in its epilogue
-(:func:`gemv_silu_and_mul`).
+(:func:`gemv_silu_and_mul`); since session 21 it also folds the RMSNorm of its input into its
+product and adds the residual in its epilogue (:meth:`CudaDenseLinear.folds_norm`,
+:meth:`CudaDenseLinear.adds_residual`), so a decode step of 1-2 rows runs no norm kernel.
 """
 
 from __future__ import annotations
