@@ -103,6 +103,8 @@ void set_norm(core_kernels::GemvArgs& a, const char* op, const at::Tensor& x, co
               double norm_eps) {
   if (!norm_weight.has_value()) return;
   const at::Tensor& g = *norm_weight;
+  TORCH_CHECK(a.rows_per_warp == 1 || a.rows_per_warp == 2,
+              std::string(op) + ": the folded RMSNorm takes rows_per_warp 1 or 2, got " + std::to_string(a.rows_per_warp));
   TORCH_CHECK(x.size(0) <= 2, std::string(op) + ": x has " + std::to_string(x.size(0)) +
                                   " rows; the folded RMSNorm takes 1 or 2 (use rms_norm, then the GEMV)");
   TORCH_CHECK(g.is_cuda() && g.device() == x.device() && g.scalar_type() == x.scalar_type() && g.dim() == 1 &&
@@ -125,6 +127,8 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_
                 "core_C.gemv: residual is added by the plain epilogue only, not with silu_and_mul or norm_weight");
     TORCH_CHECK(x.size(0) <= 2, "core_C.gemv: x has " + std::to_string(x.size(0)) +
                                     " rows; the residual add takes 1 or 2 (add after the GEMV)");
+    TORCH_CHECK(rows_per_warp == 1 || rows_per_warp == 2,
+                "core_C.gemv: the residual add takes rows_per_warp 1 or 2, got " + std::to_string(rows_per_warp));
     check_rows(r, x, "residual", false);
     TORCH_CHECK(r.size(0) == out.size(0) && r.size(1) == out.size(1),
                 "core_C.gemv: residual " + dims(r) + " must have out's shape " + dims(out));

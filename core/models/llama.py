@@ -233,7 +233,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-
     def _folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step takes the folded form: core's own attention and MLP blocks (whose
         forwards take the norm and the residual) and norms, and a QKV projection whose format

@@ -157,12 +157,14 @@ def fuses_rope(layer: nn.Module, x2: torch.Tensor, positions: torch.Tensor, rota
 def _folded_norm(norm: nn.Module, x2: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     """``norm``'s ``(gamma, eps)`` where the kernel may fold it into its product over rows
     ``x2`` (one or two): core's own ``RMSNorm`` (not a subclass, whose forward may differ)
-    calling this platform's ``rms_norm`` op (not a plugin's override), with a gamma the kernel
+    calling this platform's ``rms_norm`` and ``fused_add_rms_norm`` ops (a plugin's override of
+    either is called as given: the folded layer form replaces both), with a gamma the kernel
     reads as it reads x (x's dtype, device and length, contiguous, 16-byte aligned); else None."""
     from core.models.layers import RMSNorm
 
     g = norm.weight
-    if not (type(norm) is RMSNorm and norm.ops.rms_norm is _platform_op("rms_norm") and x2.shape[0] <= 2
+    if not (type(norm) is RMSNorm and norm.ops.rms_norm is _platform_op("rms_norm")
+            and norm.ops.fused_add_rms_norm is _platform_op("fused_add_rms_norm") and x2.shape[0] <= 2
             and g.dtype == x2.dtype and g.device == x2.device and g.dim() == 1 and g.shape[0] == x2.shape[1]
             and g.is_contiguous() and g.data_ptr() % 16 == 0):
         return None

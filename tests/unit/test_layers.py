@@ -419,26 +419,32 @@ class _FoldingDense:
         return FoldingDense()
 
 
-def test_a_format_that_folds_the_norms_and_residual_adds_gives_the_same_model(tiny_llama):
+@pytest.mark.parametrize("family,folding", [("llama", "all"), ("llama", "qkv"), ("qwen3", "all")])
+def test_a_format_that_folds_the_norms_and_residual_adds_gives_the_same_model(tmp_path, family, folding):
     """LlamaDecoderLayer's folded form (LinearMethod.folds_norm / adds_residual: the input norm
     handed to the QKV and gate/up projections, the residual added by the output and down
     projections, the layer returning the residual stream itself) leaves every logit and greedy
     choice of a mixed prefill/decode schedule unchanged; the prefill steps keep the plain form.
-    A norm the format does not fold is applied by the layer first."""
-    from tests.helpers import load_tiny, run_schedule
+    With only the QKV projection's format folding ("qkv"), the others fall back on their own
+    (the norm applied by the layer, the residual added after the product); Qwen3 (q/k norms
+    before the rotation) takes the unrotated projection."""
+    from tests.helpers import load_tiny, run_schedule, tiny_model_dir
 
-    path = tiny_llama()
+    path = tiny_model_dir(tmp_path, family)
     want = run_schedule(load_tiny(path), vocab=128, decode_steps=3)
     model = load_tiny(path)
     calls = []
+    kinds = (QKVParallelLinear,) if folding == "qkv" else (ColumnParallelLinear, RowParallelLinear)
     for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(m, kinds):
             m.linear_method = _FoldingDense(calls)
     got = run_schedule(model, vocab=128, decode_steps=3)
     layers = len(model.model.layers)
     # The three decode-only steps fold, every layer; steps 1 and 2 (prefill chunks) do not.
-    assert calls.count("norm") == 2 * layers * 3 and calls.count("residual") == 2 * layers * 3
-    assert calls.count("") == 4 * layers * 2, calls
+    folds = 2 if folding == "all" else 1
+    assert calls.count("norm") == folds * layers * 3, calls
+    assert calls.count("residual") == (2 * layers * 3 if folding == "all" else 0), calls
+    assert calls.count("") == (4 if folding == "all" else 1) * layers * 2, calls  # the prefill steps
     for s in want:
         assert got[s][0] == want[s][0]
         assert torch.equal(got[s][1].argmax(-1), want[s][1].argmax(-1))
