@@ -62,6 +62,10 @@ def split_k_for(per_warp: int) -> int:
     return GEMV_SPLIT_K if per_warp in (1, 2) else 1
 
 
+_NO_NORM = (None, 0.0)
+"""The op's ``norm_weight, norm_eps`` arguments without a folded norm."""
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, split_k: int | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` through the kernel (callers check :func:`gemv_fits` first).
@@ -73,8 +77,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, per_warp: int | None = None, spl
         or two rows), the residual add ``fused_add_rms_norm`` does; not with ``norm``."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     per_warp = per_warp or rows_per_warp(weight.shape[0])
-    gamma, eps = norm if norm is not None else (None, 0.0)
-    load_ops().gemv(out, x, weight, per_warp, split_k or split_k_for(per_warp), False, gamma, eps, residual)
+    load_ops().gemv(out, x, weight, per_warp, split_k or split_k_for(per_warp), False, *(norm or _NO_NORM), residual)
     return out
 
 
@@ -86,9 +89,8 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, co
     by the platform's ``rotary_embedding`` (each projection rounded to the storage dtype first).
     ``norm``: as :func:`gemv`'s."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    gamma, eps = norm if norm is not None else (None, 0.0)
     load_ops().gemv_rope(out, x, weight, split_k_for(2), positions.contiguous(), cos_sin, rope_heads, head_size,
-                         rotary_dim, gamma, eps)
+                         rotary_dim, *(norm or _NO_NORM))
     return out
 
 
@@ -98,8 +100,7 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.T
     (one gate and one up row per warp; the same sums, the same roundings). ``norm``: as
     :func:`gemv`'s."""
     out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-    gamma, eps = norm if norm is not None else (None, 0.0)
-    load_ops().gemv(out, x, weight, 2, split_k_for(2), True, gamma, eps)
+    load_ops().gemv(out, x, weight, 2, split_k_for(2), True, *(norm or _NO_NORM))
     return out
 
 
@@ -154,14 +155,16 @@ def fuses_rope(layer: nn.Module, x2: torch.Tensor, positions: torch.Tensor, rota
             and positions.dtype == torch.int64 and positions.numel() == x2.shape[0])
 
 
-def _folded_norm(norm: nn.Module, x2: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+def _folded_norm(norm: nn.Module | None, x2: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
     """``norm``'s ``(gamma, eps)`` where the kernel may fold it into its product over rows
-    ``x2`` (one or two): core's own ``RMSNorm`` (not a subclass, whose forward may differ)
+    ``x2`` (one or two; None: rows the kernel does not take, or no norm): core's own ``RMSNorm`` (not a subclass, whose forward may differ)
     calling this platform's ``rms_norm`` and ``fused_add_rms_norm`` ops (a plugin's override of
     either is called as given: the folded layer form replaces both), with a gamma the kernel
     reads as it reads x (x's dtype, device and length, contiguous, 16-byte aligned); else None."""
     from core.models.layers import RMSNorm
 
+    if norm is None or x2 is None:
+        return None
     g = norm.weight
     if not (type(norm) is RMSNorm and norm.ops.rms_norm is _platform_op("rms_norm")
             and norm.ops.fused_add_rms_norm is _platform_op("fused_add_rms_norm") and x2.shape[0] <= 2
@@ -196,8 +199,7 @@ class CudaDenseLinear(LinearMethod):
         """Where the kernel takes ``layer`` at these rows (one or two) and ``norm`` is this
         platform's RMSNorm (:func:`_folded_norm`): the kernel normalises ``x`` itself, so a
         decode step runs no norm kernel (csrc/gemv.cu, kFoldNorm)."""
-        x2 = self.gemv_rows(x, layer.weight, layer.bias)
-        return x2 is not None and _folded_norm(norm, x2) is not None
+        return _folded_norm(norm, self.gemv_rows(x, layer.weight, layer.bias)) is not None
 
     def adds_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Where the kernel takes ``layer`` at these rows (one or two), it adds ``residual`` in
@@ -211,7 +213,7 @@ class CudaDenseLinear(LinearMethod):
         """``x`` (normed here where the kernel cannot fold ``norm``), its kernel rows (None:
         not the kernel's) and the folded norm's ``(gamma, eps)``."""
         x2 = self.gemv_rows(x, layer.weight, bias)
-        folded = _folded_norm(norm, x2) if norm is not None and x2 is not None else None
+        folded = _folded_norm(norm, x2)
         if norm is not None and folded is None:
             x = norm(x)
             x2 = self.gemv_rows(x, layer.weight, bias)
@@ -253,7 +255,7 @@ class CudaDenseLinear(LinearMethod):
         None. ``norm``: as :meth:`apply`'s (only where :meth:`folds_norm`: a None result leaves
         ``x`` to the caller un-normed)."""
         x2 = self.gemv_rows(x, layer.weight, bias)
-        folded = _folded_norm(norm, x2) if norm is not None and x2 is not None else None
+        folded = _folded_norm(norm, x2)
         if x2 is None or (norm is not None and folded is None) or not fuses_rope(layer, x2, positions, rotary):
             return None
         d, rot = layer.head_size, rotary.rotary_dim
