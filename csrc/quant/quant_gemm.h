@@ -53,8 +53,8 @@ struct QuantGemvArgs {
 // to mma.sync, bf16 activations scaled per 128 inputs by a power of two into fp16's range
 // (exact down to 2^-28 of each 128's largest), fp32 sums. int4 codes with fp16/bf16
 // activations, k % 256 == 0, group % 128 == 0 and no mins or `zeros` given run on tensor
-// cores too (sm_80+, unless tensor_cores is false; at m == 1 only for k >= 8192, where they
-// are faster): codes - zeros in the activations' type (exact), fp32 sums, the scale once per
+// cores too (sm_80+, unless tensor_cores is false; at m == 1 only for weights of more than
+// 2^24 codes, where they are faster): codes - zeros in the activations' type (exact), fp32 sums, the scale once per
 // group. Everything else: one warp per weight row on
 // CUDA cores. Returns
 // cudaErrorInvalidValue for shapes outside the contract above, zeros without mins or with
