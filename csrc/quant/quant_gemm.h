@@ -54,9 +54,9 @@ struct QuantGemvArgs {
 // (exact down to 2^-28 of each 128's largest), fp32 sums. int4 codes with fp16/bf16
 // activations, k % 256 == 0, group % 128 == 0 and no mins or `zeros` given run on tensor
 // cores too (sm_80+, unless tensor_cores is false; at m == 1 only for weights of more than
-// 2^24 codes, where they are faster): codes - zeros in the activations' type (exact), fp32 sums, the scale once per
-// group. Everything else: one warp per weight row on
-// CUDA cores. Returns
+// 2^24 codes, where they are faster): codes - zeros in the activations' type (exact), fp32
+// sums, the scale once per group. Everything else: one warp per weight row on CUDA cores.
+// Returns
 // cudaErrorInvalidValue for shapes outside the contract above, zeros without mins or with
 // other codes than int4, and, where the CUDA-core kernel runs, rows of 2^16 or more 16-byte
 // code vectors with more than one group whose (k / kPer) * (group / kPer) reaches 2^32 (k of
