@@ -368,9 +368,10 @@ def test_gemv_rope_refusals_name_the_limits():
         ops.gemv_rope(torch.empty(3, 48, device="cuda").bfloat16(), x3, w, 1, pos3, cs, 2, 16, 8)
 
 
-def _norm_case(m, n, k, dtype, seed):
+def _norm_case(m, n, k, dtype, seed, scale=7.0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    h = (7 * torch.randn(m, k, device="cuda", generator=g)).to(dtype)  # a residual stream, far from unit scale
+    # A residual stream, far from unit scale; at 1e-3 its mean square is near eps (1e-5).
+    h = (scale * torch.randn(m, k, device="cuda", generator=g)).to(dtype)
     gamma = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     normed = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.double()
@@ -380,14 +381,16 @@ def _norm_case(m, n, k, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("per_warp,split", [(1, 1), (1, 4), (2, 1), (2, 4)])
 @pytest.mark.parametrize("m", [1, 2])
-def test_gemv_with_the_norm_folded_in_matches_float64(dtype, per_warp, split, m):
+@pytest.mark.parametrize("scale", [7.0, 1e-3])
+def test_gemv_with_the_norm_folded_in_matches_float64(dtype, per_warp, split, m, scale):
     """kFoldNorm: the product of rms_norm(h) * gamma for un-normed rows h, against float64, and
     on average no farther from it than the CUDA rms_norm op followed by the plain kernel (which
-    rounds the normed input to the dtype first: the one difference between the two)."""
+    rounds the normed input to the dtype first: the one difference between the two); at a
+    scale where eps weighs in too."""
     from platforms.cuda.gemv import gemv
     from platforms.cuda.ops import rms_norm
 
-    h, gamma, w, normed = _norm_case(m, 1027, 4096 + 8 * 37, dtype, 100 * m + 10 * per_warp + split)
+    h, gamma, w, normed = _norm_case(m, 1027, 4096 + 8 * 37, dtype, 100 * m + 10 * per_warp + split, scale)
     got = gemv(h, w, per_warp, split, norm=(gamma, 1e-5))
     want = normed @ w.double().T
     tol = _TOL[dtype]
@@ -548,3 +551,28 @@ def test_the_folded_decode_steps_agree_with_the_fp32_model_as_the_unfolded_do(ti
           f"top-1 agreement {top_folded:.3f} / {top_plain:.3f}")
     assert err_folded <= 1.1 * err_plain
     assert top_folded >= top_plain - 0.05
+
+
+def test_the_folded_decode_steps_replay_as_they_ran_eagerly(tiny_llama, monkeypatch):
+    """The folded layer form captured in the decode CUDA graphs (bf16, one sequence a step: every
+    decode row through the folded GEMVs) gives the greedy tokens it gives eagerly; the graphs
+    were captured with the folded form (the residual reached the GEMV)."""
+    from core import LLM
+    from platforms.cuda import gemv as gemv_mod
+    from tests.integration.test_engine_hf import random_prompts, run
+
+    path = tiny_llama(seed=17, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2)
+    prompts = random_prompts(2, 512, seed=18, lo=5, hi=30)
+    outs, calls = {}, []
+    real = gemv_mod.gemv
+    # (the residual reaches the GEMV only in the folded layer form)
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k.get("residual") is not None) or real(*a, **k))
+    for eager in (True, False):
+        calls.clear()
+        llm = LLM(model=str(path), platform="cuda", dtype="bfloat16", max_model_len=256,
+                  kv_cache_memory="32MiB", enforce_eager=eager)
+        outs[eager] = [run(llm, [p], max_new=24) for p in prompts]  # one row a step (a bucket of one)
+        llm.engine.shutdown()
+        assert sum(calls) > 0, f"enforce_eager={eager}: no folded GEMV"
+    assert outs[False] == outs[True]
