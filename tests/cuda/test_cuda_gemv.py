@@ -513,6 +513,16 @@ def test_the_dense_method_folds_core_rms_norm_and_adds_the_residual_where_it_tak
     assert not CUDA_DENSE.folds_norm(layer, h, RMSNorm(4096, 1e-5, plugin))
 
 
+def _spy_folded_gemv(monkeypatch) -> list[bool]:
+    """For each call of the dense GEMV from here on, whether a residual reached it (which it
+    does only in the folded layer form)."""
+    from platforms.cuda import gemv as gemv_mod
+
+    calls, real = [], gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k.get("residual") is not None) or real(*a, **k))
+    return calls
+
+
 def test_the_folded_decode_steps_agree_with_the_fp32_model_as_the_unfolded_do(tiny_llama, monkeypatch):
     """A tiny bf16 Llama on CUDA, teacher-forced one decode row a step (the rows the folded
     layer takes: no norm kernel, the residual added by the output and down projections): its
@@ -535,10 +545,7 @@ def test_the_folded_decode_steps_agree_with_the_fp32_model_as_the_unfolded_do(ti
         return out
 
     ref = logits(platform="cpu", dtype="float32")
-    calls = []
-    real = gemv_mod.gemv
-    # (the residual reaches the GEMV only in the folded layer form)
-    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k.get("residual") is not None) or real(*a, **k))
+    calls = _spy_folded_gemv(monkeypatch)
     folded = logits(platform="cuda", dtype="bfloat16", enforce_eager=True)
     assert sum(calls) > 0
     monkeypatch.setattr(gemv_mod.CudaDenseLinear, "folds_norm", lambda *a: False)
@@ -558,16 +565,12 @@ def test_the_folded_decode_steps_replay_as_they_ran_eagerly(tiny_llama, monkeypa
     decode row through the folded GEMVs) gives the greedy tokens it gives eagerly; the graphs
     were captured with the folded form (the residual reached the GEMV)."""
     from core import LLM
-    from platforms.cuda import gemv as gemv_mod
     from tests.integration.test_engine_hf import random_prompts, run
 
     path = tiny_llama(seed=17, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                       num_key_value_heads=2)
     prompts = random_prompts(2, 512, seed=18, lo=5, hi=30)
-    outs, calls = {}, []
-    real = gemv_mod.gemv
-    # (the residual reaches the GEMV only in the folded layer form)
-    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k.get("residual") is not None) or real(*a, **k))
+    outs, calls = {}, _spy_folded_gemv(monkeypatch)
     for eager in (True, False):
         calls.clear()
         llm = LLM(model=str(path), platform="cuda", dtype="bfloat16", max_model_len=256,
