@@ -6,7 +6,7 @@
 // registers, dequantizes it (one FMA per weight) and multiplies it into every activation row
 // (small, L1/L2 resident): the weights are read once whatever the number of rows. fp8 codes
 // with 16-bit activations take the tensor-core kernel below instead (fp8_gemv_mma_kernel) at
-// 2-16 rows, and at one row on small weights (fp8_mma_applies); int4 codes with 16-bit
+// 3-16 rows, and at one row on small weights (fp8_mma_applies); int4 codes with 16-bit
 // activations and integer zero points likewise at 2-16 rows, and at one row on weights of
 // more than 2^24 codes (int4_gemv_mma_kernel, int4_mma_applies).
 //
@@ -638,14 +638,18 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
 
 // A single activation row over a large weight (Llama-3-8B's QKV, gate/up, down) stays on the
 // CUDA cores, which read those at M = 1 10-25 % faster (H200, 2026-12-04); the tensor cores
-// win at M = 1 on weights up to 16 Mi codes (the output projection: 10.8 vs 16.9 us) and at
-// every M >= 2 (up to 4.4x at M = 16).
+// win at M = 1 on weights up to 16 Mi codes (the output projection: 10.8 vs 16.9 us on that
+// H200; equal on an H100 since the CUDA-core kernel's prefetch, 9.6 vs 9.6 us) and from 3
+// rows on (up to 4.4x at M = 16). Two rows stay on the CUDA cores, whose two-row kernel reads
+// every Llama-3-8B layer faster (H100, 2026-12-07, us, CUDA / tensor cores: QKV 13.8 / 14.5,
+// o_proj 8.7 / 9.8, gate/up 45.6 / 55.1, down 24.9 / 27.1; the H200 of 2026-12-04 already had
+// gate/up at 50.5 / 53.7).
 constexpr int64_t kMmaMaxCodesAtOneRow = int64_t(1) << 24;
 
 bool fp8_mma_applies(const QuantGemvArgs& a) {
+  const bool rows_fit = a.m > 2 || (a.m == 1 && int64_t(a.n) * a.k <= kMmaMaxCodesAtOneRow);
   return a.tensor_cores && a.code == QuantCode::kFp8 && a.dtype != DType::kFloat32 && a.k % kMmaTrip == 0 &&
-         a.group % kMmaTrip == 0 && (a.m > 1 || int64_t(a.n) * a.k <= kMmaMaxCodesAtOneRow) &&
-         device_has_mma_f16();
+         a.group % kMmaTrip == 0 && rows_fit && device_has_mma_f16();
 }
 
 // One 16-row tile per warp and one chain of 8 mma per trip. Measured variants (H200,

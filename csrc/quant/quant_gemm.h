@@ -49,7 +49,7 @@ struct QuantGemvArgs {
 // out = x @ W^T for m <= kQuantGemvMaxRows rows (decode steps), each weight read once for
 // all m activation rows. fp8 codes with fp16/bf16 activations, k % 128 == 0 and
 // group % 128 == 0 run on tensor cores on sm_80+ (unless tensor_cores is false; at m == 1 only
-// for weights of at most 2^24 codes, where they are faster): fp16 inputs
+// for weights of at most 2^24 codes, where they are faster, and never at m == 2): fp16 inputs
 // to mma.sync, bf16 activations scaled per 128 inputs by a power of two into fp16's range
 // (exact down to 2^-28 of each 128's largest), fp32 sums. int4 codes with fp16/bf16
 // activations, k % 256 == 0, group % 128 == 0 and no mins or `zeros` given run on tensor

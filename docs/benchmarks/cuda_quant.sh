@@ -5,7 +5,7 @@
 # through the fp8 GEMV, prefill through _scaled_mm with per-token activation scales) batch-1
 # TPOT, 1,000 x 1,024/128 and 500 x 1,000/1,000 (the last also with --kv-cache-dtype fp8 and
 # --max-num-seqs 512: the fp8 cache holds all 500 sequences at once); AWQ int4
-# (group 128) batch-1 TPOT (and batch 8, when named).
+# (group 128) batch-1 TPOT (and batch 8, when named; FP8 at batch 2 likewise).
 # From the repository root, nothing installed (about 8 minutes in all; carry .whl as for
 # cuda_e2e.sh):
 #   OUT=/tmp/out bash docs/benchmarks/cuda_quant.sh [step ...]    (default: every step)
@@ -71,6 +71,9 @@ run fp8_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_FP8 --i
   --output-len 256 --num-iters 3 --output-json "$RES/fp8_latency.json"
 run awq_latency 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/awq_latency.json"
+# Two requests at once: fp8's decode GEMVs at 2 rows (run only when named).
+opt fp8_latency_b2 90 python3 -m core.entrypoints.cli bench latency $ENGINE_FP8 --batch-size 2 --input-len 128 \
+  --output-len 256 --num-iters 3 --output-json "$RES/fp8_latency_b2.json"
 # Eight requests at once: the decode GEMVs at 8 rows (run only when named).
 opt awq_latency_b8 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ --batch-size 8 --input-len 128 \
   --output-len 256 --num-iters 3 --output-json "$RES/awq_latency_b8.json"
@@ -93,7 +96,7 @@ res = sys.argv[1]
 def load(name):
     p = os.path.join(res, name + ".json")
     return json.load(open(p)) if os.path.exists(p) else None
-for name in ("fp8_latency", "awq_latency", "awq_latency_b8"):
+for name in ("fp8_latency", "fp8_latency_b2", "awq_latency", "awq_latency_b8"):
     r = load(name)
     if r:
         print(f"{name}: TPOT {r['tpot_ms_median']} ms (min {r['tpot_ms_min']}), TTFT {r['ttft_ms_median']} ms, "

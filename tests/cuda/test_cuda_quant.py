@@ -598,6 +598,27 @@ def test_quant_epilogues_cover_a_last_cta_of_fewer_pairs(dtype, kind):
     assert (got[:, :768] == want).float().mean() > 0.99
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
+                    reason="the tensor-core kernels need sm_80+ (below, every row takes the CUDA cores)")
+def test_fp8_takes_the_tensor_cores_where_they_measured_faster():
+    """fp8 codes with bf16 activations: one row takes the tensor cores only on weights of at
+    most 2^24 codes, two rows never (the two-row CUDA-core kernel measured faster on every
+    Llama-3-8B layer, H100 2026-12-07), three and more always; each product is the
+    reference's."""
+    from platforms.cuda.build import load_ops
+
+    gen = torch.Generator().manual_seed(23)
+    ops = load_ops()
+    for n, k, small in ((1024, 1024, True), (4224, 4096, False)):  # 2^20 and 17.3 M codes
+        w = fp8_weight(n, k, k, gen)
+        p = _pack(w, DEV)
+        for m, want_tc in ((1, small), (2, False), (3, True), (16, True)):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEV)
+            assert ops.quant_gemv_tensor_cores(x, p.codes, p.scales, p.mins, p.code, p.group, p.zeros) == want_tc, (
+                n, m)
+            check(_fp8_gemv(p, x, True), reference(x, w), torch.bfloat16, k)
+
+
 def test_quant_epilogues_run_on_the_cuda_cores_where_one_row_takes_the_tensor_cores():
     """An AWQ-form weight (integer zero points) of k = 8,192, whose one plain row takes the int4
     tensor-core kernel, and an fp8 weight of 2^20 codes (the fp8 one at one row): asked for an
