@@ -80,7 +80,7 @@ def initialize_runner(runner: ModelRunner, world: TorchDistributed | None = None
         blocks, host = world.min_ints([plan.num_blocks, plan.num_host_blocks], runner.device)
         plan = dataclasses.replace(plan, num_blocks=blocks, num_host_blocks=host)
     runner.allocate_kv_cache(plan.num_blocks, plan.num_host_blocks)
-    logger.info("rank %d: weights %.1f MiB; %s", rank, weights / (1 << 20), plan.describe())
+    # The driver logs every rank's plan (agree_plans): one line per rank, not two.
     return StartupReport(rank, weights, peak, plan, runner.sampler.penalty_state)
 
 
