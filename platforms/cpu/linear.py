@@ -27,7 +27,7 @@ torch's bf16 paths are emulated and slower than float32.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -193,13 +193,16 @@ class QuantizedLinear(LinearMethod):
         if kernels is not None:  # float32 model: the csrc/cpu kernel, no bf16 round trip
             if not (weight.dim() == 2 and weight.shape[1] % GROUP == 0):
                 layer.packed_weight = _STAY_DENSE
+                _hold_packed(layer, None)
                 return
             packed = layer.packed_weight = self.codec.group(weight)
+            _hold_packed(layer, packed)
             if _kernel_reproduces(kernels, packed, weight):
                 _release_dense(layer)
             return
         packed = self.codec.quantize(weight)
         layer.packed_weight = _STAY_DENSE if packed is None else packed
+        _hold_packed(layer, packed)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
@@ -239,6 +242,7 @@ class QuantizedLinear(LinearMethod):
         if _kernel_reproduces(kernels, packed, weight):
             layer.weight.released_to = packed  # on the parameter: a tied LM head shares it
             layer.weight.data = torch.empty(0, dtype=weight.dtype)
+            _hold_packed(layer, packed)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         packed = released_codes(layer.weight)
@@ -282,6 +286,22 @@ def released_codes(weight: torch.Tensor) -> GroupedQuant | None:
 def is_released(layer: nn.Module) -> bool:
     """Whether the layer's dense weight was dropped for its exact codes (see above)."""
     return getattr(layer, "released_to", None) is not None
+
+
+def _hold_packed(layer: nn.Module, packed: object | None) -> None:
+    """Register the tensors of ``packed`` (a packed-weight dataclass; None: no packed form)
+    as the layer's non-persistent buffers ``held_<field>``, dropping those of an earlier
+    one: the engine counts a model's weights as its parameters and buffers
+    (``ModelRunner.load_model``, the start-up log), and a released layer's weight lives only
+    in its codes (the embedded SmolLM2 logged "weights 2.1 MiB" for ~80 MiB of codes)."""
+    for name in [n for n in layer._buffers if n.startswith("held_")]:
+        del layer._buffers[name]
+    if packed is None or not is_dataclass(packed):
+        return
+    for f in fields(packed):
+        value = getattr(packed, f.name)
+        if isinstance(value, torch.Tensor):
+            layer.register_buffer(f"held_{f.name}", value, persistent=False)
 
 
 def _release_dense(layer: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """GGUF weights kept quantized: the embedded SmolLM2-135M (Q4_1 linear layers, a Q8_0
 embedding) loaded through the kept-quantized path gives the same logits as core's
 dequantizing GGUF loader, bit for bit (the block decoding itself is checked against the
-``gguf`` package for Q4_0, Q4_1, Q4_K and Q8_0 in tests/unit/test_quant_formats.py)."""
+``gguf`` package for Q4_0, Q4_1, Q4_K and Q8_0 in tests/unit/test_quant_formats.py); and the
+engine on the CPU platform counts the codes its layers keep as the model's weights."""
 
 from __future__ import annotations
 
@@ -40,3 +41,28 @@ def test_kept_gguf_weights_give_the_dequantized_logits(smollm2):
     got = run_schedule(kept, vocab, decode_steps=2, lengths=(9, 3, 12))
     for seq in want:
         assert torch.equal(got[seq][1], want[seq][1])
+
+
+def test_the_engine_counts_the_kept_codes_as_weights(smollm2):
+    """On the CPU platform the embedded model's Q4_1 linear layers and its Q8_0 embedding
+    (tied to the LM head) drop their dense weights for their codes. The engine's weight
+    count (parameters and buffers: the start-up log, and the KV budget wherever a platform
+    cannot profile a step) must include those codes: at least 4 bits for every weight of the
+    decoder layers' projections and 8 for every entry of the embedding table. (It counted
+    2.1 MiB for this model before the codes were registered as buffers.)"""
+    from core import LLM
+
+    llm = LLM(smollm2, platform="cpu", max_model_len=128, kv_cache_memory="16MiB")
+    try:
+        report = llm.engine.core.executor.startup_reports[0]
+        model = llm.engine.core.executor.runner.model.model
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.numel() == 0  # released: the codes are the weight
+    finally:
+        llm.engine.shutdown()
+    c = model_config_for(smollm2).hf_config
+    head = c.hidden_size // c.num_attention_heads
+    per_layer = c.hidden_size * head * (c.num_attention_heads * 2 + c.num_key_value_heads * 2) \
+        + 3 * c.hidden_size * c.intermediate_size
+    floor = c.num_hidden_layers * per_layer // 2 + c.vocab_size * c.hidden_size
+    assert report.weights_bytes >= floor, (report.weights_bytes, floor)
