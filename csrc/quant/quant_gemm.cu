@@ -641,9 +641,12 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
 // win at M = 1 on weights up to 16 Mi codes (the output projection: 10.8 vs 16.9 us on that
 // H200; equal on an H100 since the CUDA-core kernel's prefetch, 9.6 vs 9.6 us) and from 3
 // rows on (up to 4.4x at M = 16). Two rows stay on the CUDA cores, whose two-row kernel reads
-// every Llama-3-8B layer faster (H100, 2026-12-07, us, CUDA / tensor cores: QKV 13.8 / 14.5,
-// o_proj 8.7 / 9.8, gate/up 45.6 / 55.1, down 24.9 / 27.1; the H200 of 2026-12-04 already had
-// gate/up at 50.5 / 53.7).
+// every Llama-3-8B layer faster on an H100 (2026-12-07, us, CUDA / tensor cores: QKV 13.8 /
+// 14.5, o_proj 8.7 / 9.8, gate/up 45.6 / 55.1, down 24.9 / 27.1). Not re-measured on an H200:
+// there, on 2026-12-04 and before the CUDA-core kernel's later changes, only gate/up was
+// faster on the CUDA cores at two rows (50.5 / 53.7; QKV 15.8 / 15.3, o_proj 13.0 / 10.9,
+// down 27.9 / 26.9). Three rows are not measured: they take the tensor cores, which win at
+// four by 25-40 % (H100).
 constexpr int64_t kMmaMaxCodesAtOneRow = int64_t(1) << 24;
 
 bool fp8_mma_applies(const QuantGemvArgs& a) {
@@ -813,8 +816,10 @@ __global__ void __launch_bounds__(kMmaMaxSplit * kWarpSize)
       unpack_words(cur.codes[2 * h + 1], hi);
       // Two chains of 4 mma a half-trip (mma step e adds into part[e]) instead of one of 8:
       // a dependent mma waits for the one before it. H100, 2026-12-07, us at 8 rows: gate/up
-      // 36.9 -> 35.4-35.9, down 19.5 -> 17.9, the others and 1-2 rows unchanged (NT = 1 uses
-      // 121 registers instead of 100, no spills).
+      // 36.4-37.0 -> 35.4-36.0, down 19.3-19.5 -> 17.7-17.9, o_proj 8.2 -> 7.8-7.9; at 2 rows
+      // o_proj 7.7-7.8 -> 7.2-7.3; QKV and the other one- and two-row figures within 0.6 us.
+      // NT = 1 takes 121 registers instead of 100, NT = 2 136 instead of 138 (no spills); 9-16
+      // rows (NT = 2) were not timed.
       float part[2][NT][4];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {

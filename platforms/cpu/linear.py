@@ -293,7 +293,9 @@ def _hold_packed(layer: nn.Module, packed: object | None) -> None:
     as the layer's non-persistent buffers ``held_<field>``, dropping those of an earlier
     one: the engine counts a model's weights as its parameters and buffers
     (``ModelRunner.load_model``, the start-up log), and a released layer's weight lives only
-    in its codes (the embedded SmolLM2 logged "weights 2.1 MiB" for ~94 MiB of codes)."""
+    in its codes (the embedded SmolLM2 logged "weights 2.1 MiB"; its codes are ~92 MiB, 94
+    MiB in all). ``held_``, not ``packed_`` as in KeptQuantizedLinear: PackedInt4's ``weight``
+    field would collide with the layer's ``packed_weight`` attribute."""
     for name in [n for n in layer._buffers if n.startswith("held_")]:
         del layer._buffers[name]
     if packed is None or not is_dataclass(packed):

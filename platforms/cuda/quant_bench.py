@@ -9,8 +9,9 @@ its weight from HBM (as in a decode step):
 
 * ``bf16``: ``F.linear`` on the dense bf16 weight (what an unquantized model runs);
 * ``fp8-gemv``: csrc/quant's weight-only GEMV over fp8 codes with per-row scales (M <= 16),
-  on tensor cores (what the FP8 path runs for decode steps); ``fp8-gemv-cuda-cores``: the
-  same op held to its CUDA-core kernel (``tensor_cores=False``), for comparison;
+  with the kernel the op chooses (what the FP8 path runs for decode steps: tensor cores from
+  3 rows and at one row up to 2^24 codes, the CUDA cores otherwise); ``fp8-gemv-cuda-cores``:
+  the same op held to its CUDA-core kernel (``tensor_cores=False``), for comparison;
 * ``fp8-scaled-mm``: ``torch._scaled_mm`` (rowwise scales), activations quantized per token
   in the same call (what the FP8 path runs above the GEMV's rows);
 * ``int4-gemv``: the GEMV over AWQ-style int4 codes, group 128 with zero points (M <= 16),

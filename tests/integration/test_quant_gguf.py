@@ -48,8 +48,10 @@ def test_the_engine_counts_the_kept_codes_as_weights(smollm2):
     (tied to the LM head) drop their dense weights for their codes. The engine's weight
     count (parameters and buffers: the start-up log, and the KV budget wherever a platform
     cannot profile a step) must include those codes: at least 4 bits for every weight of the
-    decoder layers' projections and 8 for every entry of the embedding table. (It counted
-    2.1 MiB for this model before the codes were registered as buffers.)"""
+    decoder layers' projections and 8 for every entry of the embedding table, and not count
+    any twice (the LM head shares the embedding's codes): at most 1.3 times that floor, the
+    scales and mins of 32-input groups and the norms being the rest (94.1 MiB against 77.6
+    measured). (It counted 2.1 MiB for this model before the codes were buffers.)"""
     from core import LLM
 
     llm = LLM(smollm2, platform="cpu", max_model_len=128, kv_cache_memory="16MiB")
@@ -65,4 +67,4 @@ def test_the_engine_counts_the_kept_codes_as_weights(smollm2):
     per_layer = c.hidden_size * head * (c.num_attention_heads * 2 + c.num_key_value_heads * 2) \
         + 3 * c.hidden_size * c.intermediate_size
     floor = c.num_hidden_layers * per_layer // 2 + c.vocab_size * c.hidden_size
-    assert report.weights_bytes >= floor, (report.weights_bytes, floor)
+    assert floor <= report.weights_bytes <= 1.3 * floor, (report.weights_bytes, floor)
