@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,21 @@ if TYPE_CHECKING:
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+def hold_packed_tensors(layer: nn.Module, packed: Any, prefix: str) -> None:
+    """Register the tensor fields of ``packed`` (a linear method's packed-weight dataclass;
+    None or a marker string: no tensors) as ``layer``'s non-persistent buffers
+    ``<prefix><field>``, dropping those an earlier call registered. The engine counts a
+    model's weights as its parameters and buffers (``ModelRunner.load_model``: the start-up
+    log, and the KV budget where a platform cannot profile), so a method that keeps its weight
+    outside ``layer.weight`` registers it here."""
+    for name in [n for n in layer._buffers if n.startswith(prefix)]:
+        del layer._buffers[name]
+    for f in fields(packed) if is_dataclass(packed) else ():
+        value = getattr(packed, f.name)
+        if isinstance(value, torch.Tensor):
+            layer.register_buffer(f"{prefix}{f.name}", value, persistent=False)
 
 
 def _param(ctx: ModelContext, *shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.models.layers import LinearMethod
+from core.models.layers import LinearMethod, hold_packed_tensors
 from core.quantization.base import QuantizationMethod
 from core.quantization.tensors import MixedFusedForms, QuantizedWeight, cat_rows, is_quantized
 
@@ -126,10 +126,7 @@ class KeptQuantizedLinear(LinearMethod, metaclass=ABCMeta):
             return
         layer.weight = nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=False)
         layer.packed_weight = packed
-        for f in fields(packed) if is_dataclass(packed) else ():
-            value = getattr(packed, f.name)
-            if isinstance(value, torch.Tensor):
-                layer.register_buffer(f"packed_{f.name}", value, persistent=False)
+        hold_packed_tensors(layer, packed, "packed_")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is None:

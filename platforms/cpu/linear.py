@@ -27,13 +27,13 @@ torch's bf16 paths are emulated and slower than float32.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.models.layers import LinearMethod
+from core.models.layers import LinearMethod, hold_packed_tensors
 from platforms.cpu.isa import isa_in_force
 from platforms.cpu.kernels import kernels_or_none
 from platforms.cpu.row_buckets import bucketed_linear
@@ -289,21 +289,12 @@ def is_released(layer: nn.Module) -> bool:
 
 
 def _hold_packed(layer: nn.Module, packed: object | None) -> None:
-    """Register the tensors of ``packed`` (a packed-weight dataclass; None: no packed form)
-    as the layer's non-persistent buffers ``held_<field>``, dropping those of an earlier
-    one: the engine counts a model's weights as its parameters and buffers
-    (``ModelRunner.load_model``, the start-up log), and a released layer's weight lives only
-    in its codes (the embedded SmolLM2 logged "weights 2.1 MiB"; its codes are ~92 MiB, 94
-    MiB in all). ``held_``, not ``packed_`` as in KeptQuantizedLinear: PackedInt4's ``weight``
-    field would collide with the layer's ``packed_weight`` attribute."""
-    for name in [n for n in layer._buffers if n.startswith("held_")]:
-        del layer._buffers[name]
-    if packed is None or not is_dataclass(packed):
-        return
-    for f in fields(packed):
-        value = getattr(packed, f.name)
-        if isinstance(value, torch.Tensor):
-            layer.register_buffer(f"held_{f.name}", value, persistent=False)
+    """The layer's packed weight as buffers (core.models.layers.hold_packed_tensors), so the
+    engine's weight count sees a released layer's codes (the embedded SmolLM2 logged "weights
+    2.1 MiB" before; its codes are ~92 MiB, 94 MiB in all). Prefix ``held_``, not ``packed_``
+    as in KeptQuantizedLinear: PackedInt4's ``weight`` field would collide with the layer's
+    ``packed_weight`` attribute."""
+    hold_packed_tensors(layer, packed, "held_")
 
 
 def _release_dense(layer: nn.Module) -> None:

@@ -158,9 +158,10 @@ def fuses_rope(layer: nn.Module, x2: torch.Tensor, positions: torch.Tensor, rota
 def _folded_norm(norm: nn.Module | None, x2: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
     """``norm``'s ``(gamma, eps)`` where the kernel may fold it into its product over rows
     ``x2`` (one or two; None: rows the kernel does not take, or no norm): core's own
-    ``RMSNorm`` (not a subclass, whose forward may differ) calling this platform's ``rms_norm`` and ``fused_add_rms_norm`` ops (a plugin's override of
-    either is called as given: the folded layer form replaces both), with a gamma the kernel
-    reads as it reads x (x's dtype, device and length, contiguous, 16-byte aligned); else None."""
+    ``RMSNorm`` (not a subclass, whose forward may differ) calling this platform's
+    ``rms_norm`` and ``fused_add_rms_norm`` ops (a plugin's override of either is called as
+    given: the folded layer form replaces both), with a gamma the kernel reads as it reads x
+    (x's dtype, device and length, contiguous, 16-byte aligned); else None."""
     from core.models.layers import RMSNorm
 
     if norm is None or x2 is None:
