@@ -422,11 +422,11 @@ cudaError_t launch_gemv(const QuantGemvArgs& a, cudaStream_t stream) {
 constexpr int kMmaRowsPerWarp = 16;
 constexpr int kMmaMaxSplit = 8;
 
-// Warps per CTA: split K while the grid stays under ~2,048 warps (about 15 per SM of an
-// H200: enough loads in flight) and every warp keeps >= 4 trips of its loop.
-inline int choose_mma_split(int tiles, int trips) {
+// Warps per CTA: split K while the grid stays within max_warps (fp8 2,048, about 15 per SM of
+// an H200; int4 8,192) and every warp keeps >= 4 trips of its loop.
+inline int choose_mma_split(int tiles, int trips, int max_warps) {
   int split = 1;
-  while (split < kMmaMaxSplit && int64_t(tiles) * split * 2 <= 2048 && trips / (split * 2) >= 4) split *= 2;
+  while (split < kMmaMaxSplit && int64_t(tiles) * split * 2 <= max_warps && trips / (split * 2) >= 4) split *= 2;
   return split;
 }
 
@@ -659,10 +659,13 @@ bool fp8_mma_applies(const QuantGemvArgs& a) {
 // 2026-12-04, docs/quantization.md): two tiles per warp sharing the activations was 10-25 %
 // slower on the small layers at M = 1-8 (fewer warps, each latency-bound) and no faster on
 // the large ones; two chains of 4 mma was slower still (o_proj at M = 1: 21.9 vs 10.8 us).
+// Split K within 2,048 warps (see kInt4MmaMaxWarps for what larger limits did to fp8).
+constexpr int kFp8MmaMaxWarps = 2048;
+
 template <typename T>
 cudaError_t launch_fp8_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
   const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
-  const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kMmaTrip) * kWarpSize);
+  const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kMmaTrip, kFp8MmaMaxWarps) * kWarpSize);
   return a.m <= 8 ? launch_dependent(fp8_gemv_mma_kernel<T, 1>, grid, block, 0, stream, a)
                   : launch_dependent(fp8_gemv_mma_kernel<T, 2>, grid, block, 0, stream, a);
 }
@@ -871,12 +874,21 @@ bool int4_mma_applies(const QuantGemvArgs& a) {
          (a.m > 1 || int64_t(a.n) * a.k > kInt4MmaMaxCodesOnCudaCores) && device_has_mma_f16();
 }
 
+// int4 splits K up to 8,192 warps: the gate/up projection (1,792 tiles of 4,096 inputs) then
+// takes four warps a tile instead of one. H100, 2026-12-07, gate/up in us at 1 / 2 / 4 / 8 /
+// 16 rows, limit 2,048 -> 4,096 -> 8,192: 32.6 / 33.0 / 33.6 / 35.6 / 71.4 -> 30.5 / 31.3 /
+// 32.5 / 35.2 / 58.9 -> 30.8 / 31.6 / 32.9 / 34.8 / 54.4; AWQ TPOT at batch 16 4.84 (4,096) ->
+// 4.67 ms (8,192), batch 1 3.10 either way. QKV, o_proj and down keep their splits. (Warps
+// keeping only 2 trips made QKV slower: 9.0 -> 9.6 us at one row. fp8 keeps 2,048: there 8,192
+// sped gate/up at 4-16 rows by 8-12 % but slowed QKV by 11-14 %, as split 8 replaced 4.)
+constexpr int kInt4MmaMaxWarps = 8192;
+
 template <typename T>
 cudaError_t launch_int4_gemv_mma(const QuantGemvArgs& a, cudaStream_t stream) {
   GroupOf half_group;
   if (!group_of(a, kInt4MmaHalf, half_group)) return cudaErrorInvalidValue;
   const int tiles = (a.n + kMmaRowsPerWarp - 1) / kMmaRowsPerWarp;
-  const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kInt4MmaTrip) * kWarpSize);
+  const dim3 grid(tiles), block(choose_mma_split(tiles, a.k / kInt4MmaTrip, kInt4MmaMaxWarps) * kWarpSize);
   return a.m <= 8 ? launch_dependent(int4_gemv_mma_kernel<T, 1>, grid, block, 0, stream, a, half_group)
                   : launch_dependent(int4_gemv_mma_kernel<T, 2>, grid, block, 0, stream, a, half_group);
 }

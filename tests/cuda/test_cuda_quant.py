@@ -311,6 +311,24 @@ def test_int4_tensor_cores_cover_a_partial_last_tile(dtype, m):
                           packed.zeros[:n])
     check(out, reference(x, w)[:, :n], dtype, k)
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_int4_tensor_cores_split_k_on_a_wide_grid(dtype, m):
+    """12,288 rows of 4,096 inputs: 768 tiles, which the int4 kernel's limit of 8,192 warps
+    (kInt4MmaMaxWarps, csrc/quant/quant_gemm.cu) splits over four warps each, where the limit
+    of 2,048 kept two (Llama-3-8B's gate/up projection, 1,792 tiles, goes from one to four).
+    The split sums against the reference, and added in a fixed order: the same bits twice."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"wide/{m}/{dtype}".encode()))
+    n, k, group = 12288, 4096, 128
+    w, _ = zero_point_weight(n, k, group, gen)
+    packed = _pack(w, DEV)
+    assert packed.zeros is not None
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    got = _gemv(packed, x, True, packed.zeros)
+    check(got, reference(x, w), dtype, k)
+    assert torch.equal(got, _gemv(packed, x, True, packed.zeros))
+
+
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
                     reason="the tensor-core kernels need sm_80+ (below, every row takes the CUDA cores)")
