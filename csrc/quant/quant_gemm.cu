@@ -880,7 +880,7 @@ bool int4_mma_applies(const QuantGemvArgs& a) {
 // 32.5 / 35.2 / 58.9 -> 30.8 / 31.6 / 32.9 / 34.8 / 54.4; AWQ TPOT at batch 16 4.84 (4,096) ->
 // 4.67 ms (8,192), batch 1 3.10 either way. QKV, o_proj and down keep their splits. (Warps
 // keeping only 2 trips made QKV slower: 9.0 -> 9.6 us at one row. fp8 keeps 2,048: there 8,192
-// sped gate/up at 4-16 rows by 8-12 % but slowed QKV by 11-14 %, as split 8 replaced 4.)
+// sped gate/up at 4-16 rows by 8-12 % but slowed QKV by 10-13 %, as split 8 replaced 4.)
 constexpr int kInt4MmaMaxWarps = 8192;
 
 template <typename T>
