@@ -311,6 +311,7 @@ def test_int4_tensor_cores_cover_a_partial_last_tile(dtype, m):
                           packed.zeros[:n])
     check(out, reference(x, w)[:, :n], dtype, k)
 
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_int4_tensor_cores_split_k_on_a_wide_grid(dtype, m):
@@ -327,7 +328,6 @@ def test_int4_tensor_cores_split_k_on_a_wide_grid(dtype, m):
     got = _gemv(packed, x, True, packed.zeros)
     check(got, reference(x, w), dtype, k)
     assert torch.equal(got, _gemv(packed, x, True, packed.zeros))
-
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
