@@ -289,8 +289,11 @@ class BlockManager:
         table already covers ``num_tokens``.
         """
         table = self._tables[seq_id]
-        end = self.blocks_for(num_tokens)
-        shared = sum(1 for b in table[num_computed // self.block_size : end] if self._ref[b] > 1)
+        end = -(-num_tokens // self.block_size)
+        shared = 0
+        for b in table[num_computed // self.block_size : end]:  # one block in a decode step
+            if self._ref[b] > 1:
+                shared += 1
         return max(0, end - len(table)) + shared
 
     def append_slots(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -178,7 +179,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
+    @functools.cached_property  # read several times per row per step; fields never change
     def needs_token_history(self) -> bool:
         """Whether the sampler needs the sequence's prompt/output ids (penalties)."""
         return (

@@ -78,7 +78,7 @@ def needs_host_tokens(params: SamplingParams, penalty_state: bool = False) -> bo
     return (params.needs_token_history and not penalty_state) or params.structured is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     """One sequence's work in a step."""
 
@@ -172,7 +172,7 @@ class SchedulerStats:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Touched:
     """What ``update`` collected for one request."""
 
@@ -257,6 +257,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._next_order = 0
+        self._keys: dict[int, tuple] = {}
+        """seq id -> :meth:`_key` of each live sequence that was scheduled at least once."""
         self._waiting: dict[int, Sequence] = {}
         self._running: dict[int, Sequence] = {}
         self._swapped: dict[int, Sequence] = {}
@@ -335,8 +337,9 @@ class Scheduler:
         deltas = [RequestDelta(rid, finished=True, abort_reason=self._aborted.pop(rid, "aborted"))
                   for rid in sched.aborted]
         touched: dict[str, _Touched] = {}
+        running = self._running
         for s in sched.scheduled:
-            seq = self._live(s.seq_id)
+            seq = running.get(s.seq_id) or self._live(s.seq_id)
             if seq is None:  # finished or aborted since this step was scheduled
                 continue
             if s.sample:
@@ -428,7 +431,7 @@ class Scheduler:
         )
         candidates = [*self._running.values(), *self._swapped.values(), *self._waiting.values()]
         share = -(-len(candidates) // self.max_in_flight)  # a micro-batch's share of them
-        for seq in sorted(candidates, key=self._key):
+        for seq in sorted(candidates, key=self._cached_key):
             if self.max_in_flight > 1 and len(step.entries) >= share:
                 break  # the rest go to the next micro-batch
             if seq.seq_id in step.preempted or seq.status.finished:
@@ -455,28 +458,36 @@ class Scheduler:
     # ------------------------------------------------------- one step, per queue
 
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
-        group = [seq, *self._fork(seq)] if self._ready_to_fork(seq) else [seq]
-        for s in group:
+        """A running sequence (the caller checked: not preempted in this step)."""
+        if not self._ready_to_fork(seq):
+            self._schedule_tokens(seq, step)
+            return
+        for s in (seq, *self._fork(seq)):
             if s.status is SequenceStatus.RUNNING and s.seq_id not in step.preempted:
                 self._schedule_tokens(s, step)
 
     def _schedule_tokens(self, seq: Sequence, step: _Step) -> None:
-        is_decode = seq.seq_id in step.pending_decodes
-        step.pending_decodes.discard(seq.seq_id)
-        k = self._num_new_tokens(seq, seq.num_computed_tokens, step, is_decode)
+        if seq.seq_id in step.pending_decodes:
+            # One token left to compute (see schedule()): what _num_new_tokens gives a
+            # decode, without recomputing its target.
+            step.pending_decodes.discard(seq.seq_id)
+            k = 1 if step.budget > 0 else 0
+        else:
+            k = self._num_new_tokens(seq, seq.num_computed_tokens, step, is_decode=False)
         if k == 0:
             return
         start = seq.num_computed_tokens
-
-        def need() -> int:
-            return self.bm.num_blocks_to_append(seq.seq_id, start, start + k)
-
-        if need() == 0 and self.bm.num_free_blocks >= step.reserved:
+        if (self.bm.num_blocks_to_append(seq.seq_id, start, start + k) == 0
+                and self.bm.num_free_blocks >= step.reserved):
             # The common decode step: the token fits the sequence's own last block, so there
             # is nothing to allocate, copy or preempt for.
             step.budget -= k
             self._emit(seq, k, step)
             return
+
+        def need() -> int:
+            return self.bm.num_blocks_to_append(seq.seq_id, start, start + k)
+
         if not self._make_room(seq, need, step, strict_priority=False):
             if len(self._running) == 1:
                 self._abort_in_step(
@@ -576,6 +587,14 @@ class Scheduler:
         fcfs = (seq.arrival_time, self._order[seq.request_id], seq.index)
         return (seq.priority, *fcfs) if self.config.policy == "priority" else fcfs
 
+    def _cached_key(self, seq: Sequence) -> tuple:
+        """:meth:`_key`, computed once per sequence (its inputs never change): every step
+        sorts every live sequence by it. Dropped with the sequence (:meth:`_drop`)."""
+        key = self._keys.get(seq.seq_id)
+        if key is None:
+            key = self._keys[seq.seq_id] = self._key(seq)
+        return key
+
     def _unforked(self, request: Request) -> bool:
         return request.params.n > 1 and not request.forked
 
@@ -584,7 +603,7 @@ class Scheduler:
         token for an unforked n > 1 request (then it forks), else every known or pending
         token, except a pending last one (max_tokens, max_model_len): it needs no KV, and the
         sequence finishes once update() has it."""
-        if self._unforked(self._requests[seq.request_id]):
+        if seq.params.n > 1 and self._unforked(self._requests[seq.request_id]):
             return seq.num_prompt_tokens - 1
         n = seq.num_tokens + seq.num_pending
         return n - 1 if seq.num_pending and n >= self._max_len(seq) else n
@@ -622,7 +641,8 @@ class Scheduler:
         return avail if chunk else 0
 
     def _ready_to_fork(self, seq: Sequence) -> bool:
-        return self._unforked(self._requests[seq.request_id]) and self._remaining(seq) <= 0
+        return (seq.params.n > 1 and self._unforked(self._requests[seq.request_id])
+                and self._remaining(seq) <= 0)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Split an n > 1 request's sequence into n sharing its blocks."""
@@ -653,14 +673,14 @@ class Scheduler:
     def _pick_victim(self, seq: Sequence, strict_priority: bool) -> Sequence | None:
         if strict_priority and self.config.policy != "priority":
             return None
-        key = self._key(seq)
+        key = self._cached_key(seq)
         # Everything behind seq in importance order is still unplanned this step.
         behind = [
             v
             for v in self._running.values()
-            if self._key(v) > key and (not strict_priority or v.priority > seq.priority)
+            if self._cached_key(v) > key and (not strict_priority or v.priority > seq.priority)
         ]
-        return max(behind, key=self._key, default=None)
+        return max(behind, key=self._cached_key, default=None)
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         self._num_preemptions += 1
@@ -679,35 +699,32 @@ class Scheduler:
             self._waiting[seq.seq_id] = seq
 
     def _emit(self, seq: Sequence, k: int, step: _Step) -> None:
+        # Runs once per scheduled sequence per step: kept to plain attribute reads.
         start = seq.num_computed_tokens
-        seq.num_computed_tokens += k
-        params = seq.params
-        if seq.num_pending and needs_host_tokens(params, self.penalty_state):
+        end = seq.num_computed_tokens = start + k
+        params, pending = seq.params, seq.num_pending
+        if pending and self._num_host_token_requests and needs_host_tokens(params, self.penalty_state):
             raise RuntimeError(
                 f"sequence {seq.seq_id} (request {seq.request_id!r}) needs its previous token on "
                 "the host, but it is still in flight; while Scheduler.needs_sync() is true, call "
                 "update() with the step in flight before schedule()"
             )
         table = self.bm.block_table(seq.seq_id)
-        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
-        prompt_ids, output_ids = self._history(seq, sample)
-        step.entries.append(
-            ScheduledSequence(
-                seq_id=seq.seq_id,
-                request_id=seq.request_id,
-                token_ids=_input_ids(seq, start, start + k),
-                start_pos=start,
-                block_table=table,
-                sample=sample,
-                params=params,
-                output_index=len(seq.output_token_ids) + seq.num_pending,
-                prompt_token_ids=prompt_ids,
-                output_token_ids=output_ids,
-                blocks_needed=max(0, self.bm.blocks_for(self._max_len(seq)) - len(table)),
-            )
-        )
+        num_outputs = len(seq.output_token_ids)
+        sample = end == len(seq.prompt_token_ids) + num_outputs + pending
+        if params.prompt_logprobs is not None or params.needs_token_history:
+            prompt_ids, output_ids = self._history(seq, sample)
+        else:  # what _history gives such a sequence, with or without the penalty state
+            prompt_ids = output_ids = ()
+        # Positional: a frozen dataclass's keyword construction costs ~1 us more per entry
+        # (see ScheduledSequence for the fields).
+        step.entries.append(ScheduledSequence(
+            seq.seq_id, seq.request_id, _input_ids(seq, start, end), start, table, sample,
+            params, num_outputs + pending, prompt_ids, output_ids,
+            max(0, self.bm.blocks_for(self._max_len(seq)) - len(table)),
+        ))
         if sample:
-            seq.num_pending += 1
+            seq.num_pending = pending + 1
 
     def _history(self, seq: Sequence, sample: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (prompt ids, output ids) an entry of ``seq`` carries this step."""
@@ -726,13 +743,16 @@ class Scheduler:
         return prompt, tuple(seq.output_token_ids) if joins else ()
 
     def _output(self, step: _Step) -> SchedulerOutput:
-        prefills = [e for e in step.entries if e.is_prefill]
-        decodes = [e for e in step.entries if not e.is_prefill]
+        prefills, decodes, tokens = [], [], 0
+        for e in step.entries:
+            n = len(e.token_ids)
+            tokens += n
+            (prefills if n > 1 or not e.sample else decodes).append(e)  # e.is_prefill
         aborted = tuple(step.aborted)
         return SchedulerOutput(
             scheduled=tuple(prefills + decodes),
             num_prefills=len(prefills),
-            num_batched_tokens=sum(len(e.token_ids) for e in step.entries),
+            num_batched_tokens=tokens,
             blocks_to_copy=tuple(step.copies),
             blocks_to_swap_in=tuple(step.swap_in),
             blocks_to_swap_out=tuple(step.swap_out),
@@ -762,6 +782,7 @@ class Scheduler:
         """Take a sequence out of the queues and release whatever blocks it holds."""
         for queue in (self._waiting, self._running, self._swapped):
             queue.pop(seq.seq_id, None)
+        self._keys.pop(seq.seq_id, None)
         if self.bm.has_blocks(seq.seq_id):
             self.bm.free(seq.seq_id)
 

@@ -1,11 +1,12 @@
-"""Host time of ``Scheduler.schedule()`` alone, with many sequences decoding.
+"""Host time of ``Scheduler.schedule()`` and ``Scheduler.update()`` alone, with many
+sequences decoding.
 
     python -m core.benchmarks.scheduler [--seqs 256] [--prompt-len 1000] [--output-len 400]
 
 No model runs: after each step every sampled sequence gets a random token through
 ``Scheduler.update`` (as after a real step), and finishes at ``--output-len`` tokens. Prefix caching is on
-(the engine default). Prints the median and p90 time of one ``schedule()`` call over the
-steps after the first 20 (the prefills).
+(the engine default). Prints the median and p90 time of one ``schedule()`` and one
+``update()`` call over the steps after the first 20 (the prefills).
 """
 
 from __future__ import annotations
@@ -42,19 +43,23 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(args.seqs):
         prompt = tuple(rng.randrange(32000) for _ in range(args.prompt_len))
         scheduler.add_request(Request(f"r{i}", prompt, params))
-    times = []
+    times, update_times = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
         times.append(time.perf_counter() - t0)
         sampled = {e.seq_id: SampledToken(rng.randrange(32000), 0.0, None) for e in out.scheduled if e.sample}
-        scheduler.update(out, ModelRunnerOutput(sampled, {}))
-    steady = sorted(times[20:])
-    print(
-        f"{args.seqs} sequences, prompts of {args.prompt_len}: schedule() median "
-        f"{steady[len(steady) // 2] * 1e3:.2f} ms, p90 {steady[int(len(steady) * 0.9)] * 1e3:.2f} ms "
-        f"over {len(steady)} steps"
-    )
+        result = ModelRunnerOutput(sampled, {})
+        t0 = time.perf_counter()
+        scheduler.update(out, result)
+        update_times.append(time.perf_counter() - t0)
+    parts = []
+    for name, samples in (("schedule()", times), ("update()", update_times)):
+        steady = sorted(samples[20:])
+        parts.append(f"{name} median {steady[len(steady) // 2] * 1e3:.2f} ms, "
+                     f"p90 {steady[int(len(steady) * 0.9)] * 1e3:.2f} ms")
+    print(f"{args.seqs} sequences, prompts of {args.prompt_len}: {'; '.join(parts)} over "
+          f"{len(times) - 20} steps")
 
 
 if __name__ == "__main__":

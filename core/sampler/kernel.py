@@ -111,18 +111,24 @@ def pack(
     rowf = np.zeros((n, ROW_F), dtype=np.float64)
     rowi = np.zeros((n, ROW_I), dtype=np.int32)
     rowi[:, PENALTY_ROW] = -1 if slots is None else slots
-    for i, row in enumerate(rows):
+    # One tuple per distinct params object (a batch's rows often share one), one array
+    # conversion for all rows: a per-row numpy assignment costs ~1 us a row.
+    fields: dict[int, tuple] = {}
+    per_row = []
+    for row in rows:
         p = row.params
-        rowf[i, :UNIFORM + 1] = (
-            0.0 if p.greedy else p.temperature,
-            p.top_p,
-            p.min_p,
-            p.repetition_penalty,
-            p.frequency_penalty,
-            p.presence_penalty,
-            uniforms.get(i, 0.0),
-        )
-        rowi[i, TOP_K] = p.top_k if 0 < p.top_k < vocab else 0
+        f = fields.get(id(p))
+        if f is None:
+            f = fields[id(p)] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                                 p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                                 p.top_k if 0 < p.top_k < vocab else 0)
+        per_row.append(f)
+    if n:
+        values = np.array(per_row, dtype=np.float64)
+        rowf[:, :UNIFORM] = values[:, :UNIFORM]
+        rowi[:, TOP_K] = values[:, UNIFORM]
+    if uniforms:
+        rowf[list(uniforms), UNIFORM] = list(uniforms.values())
     if any(r.params.logit_bias or r.params.needs_token_history or r.output_index < r.params.min_tokens
            for r in rows):
         rowf[:, PROCESSED] = 1.0

@@ -81,6 +81,18 @@ opt awq_latency_b8 90 python3 -m core.entrypoints.cli bench latency $ENGINE_AWQ 
 opt fp8_timeline 120 env TIMELINE_ENGINE='{"quantization": "fp8"}' python3 docs/benchmarks/decode_timeline.py \
   $FP8 1 "$RES/fp8_timeline.json"
 opt awq_timeline 120 python3 docs/benchmarks/decode_timeline.py $AWQ 1 "$RES/awq_timeline.json"
+# Where a throughput step's device time goes (run only when named): FP8 weights on 1,000 x
+# 1,024/128 (steps 140-300: prompt chunks mixed with decodes), and FP8 weights + FP8 KV on
+# 500 x 1,000/1,000 at 512 sequences (steps 400-460: ~500 decode rows, ~1,450 tokens of context).
+opt fp8_thr_timeline 200 env TIMELINE_STEPS=140,300 TIMELINE_ENGINE='{"quantization": "fp8"}' \
+  python3 docs/benchmarks/decode_timeline.py $FP8 thr:1000:1024:128 "$RES/fp8_thr_timeline.json"
+opt fp8kv_thr_timeline 240 env TIMELINE_STEPS=400,460 \
+  TIMELINE_ENGINE='{"quantization": "fp8", "kv_cache_dtype": "fp8"}' \
+  python3 docs/benchmarks/decode_timeline.py $FP8 thr:500:1000:1000:512 "$RES/fp8kv_thr_timeline.json"
+# The same steps' host time by function (cProfile; run only when named).
+opt fp8kv_thr_host 240 env TIMELINE_STEPS=400,460 TIMELINE_HOST_PROFILE=1 \
+  TIMELINE_ENGINE='{"quantization": "fp8", "kv_cache_dtype": "fp8"}' \
+  python3 docs/benchmarks/decode_timeline.py $FP8 thr:500:1000:1000:512 "$RES/fp8kv_thr_host.json"
 run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 1000 \
   --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1024_128.json"
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
@@ -105,13 +117,21 @@ for name in ("fp8_1024_128", "fp8_1000_1000", "fp8kv_1000_1000"):
     r = load(name)
     if r:
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, {r['elapsed_s']} s")
-for name in ("fp8_timeline", "awq_timeline"):
+for name in ("fp8_timeline", "awq_timeline", "fp8_thr_timeline", "fp8kv_thr_timeline"):
     r = load(name)
     if r:
         r = r[0]
-        print(f"{name}: wall {r['wall_ms_per_step']} ms/step, busy {r['device_busy_ms_per_step']}")
+        print(f"{name}: wall {r['wall_ms_per_step']} ms/step, busy {r['device_busy_ms_per_step']}, "
+              f"host {r['host_ms_per_step']}, rows {r.get('decode_rows_per_step')}, "
+              f"prompt tokens {r.get('prompt_tokens_per_step')}")
         for k in r["kernels_us_per_step"][:12]:
             print(f"  {k['us']:8.1f} us x{k['count']:<5} {k['name'][:90]}")
+r = load("fp8kv_thr_host")
+if r:
+    r = r[0]
+    print(f"fp8kv_thr_host: {r['profiled_wall_ms_per_step']} ms/step under cProfile")
+    for k in r["by_cumtime"][:25]:
+        print(f"  {k['cumtime_ms']:8.3f} ms cum {k['tottime_ms']:8.3f} own x{k['calls']:<8} {k['name'][:90]}")
 g = load("gemv")
 if g:
     for row in g["results"]:

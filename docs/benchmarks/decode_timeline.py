@@ -23,8 +23,14 @@ max_num_seqs 256 or a fifth field): only the engine steps from STEP0 to STEP1 (e
 1,024/128 run) are recorded, with each step's composition (prompt tokens, decode rows).
 
 Env ``TIMELINE_ENGINE``: more engine arguments as a JSON object, e.g. ``{"quantization": "fp8"}``
-(a quantized checkpoint's own ``quantization_config`` needs nothing)."""
+(a quantized checkpoint's own ``quantization_config`` needs nothing). Env
+``TIMELINE_HOST_PROFILE=1`` (throughput mode): profile the host instead, with cProfile over
+the same steps: the functions with the most time per step (cProfile slows the host, so
+compare the shares between versions, not the wall time)."""
 import collections
+import cProfile
+import pstats
+import time
 import json
 import os
 import sys
@@ -145,16 +151,26 @@ def measure_throughput() -> dict:
     sp = SamplingParams(temperature=1.0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:64], sp, use_tqdm=False)  # warm-up
     torch.cuda.synchronize()
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    count, mix = [0], []
+    host = os.environ.get("TIMELINE_HOST_PROFILE") == "1"
+    prof = cProfile.Profile() if host else profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    count, mix, walls = [0], [], []
     step, schedule = core.step, core._schedule
 
     def counted_step():
-        if count[0] == step0:
-            prof.start()
-        out = step()
-        if count[0] == step1:
-            prof.stop()
+        if not host:
+            if count[0] == step0:
+                prof.start()
+            out = step()
+            if count[0] == step1:
+                prof.stop()
+        elif step0 <= count[0] < step1:
+            t0 = time.perf_counter()
+            prof.enable()
+            out = step()
+            prof.disable()
+            walls.append(time.perf_counter() - t0)
+        else:
+            out = step()
         count[0] += 1
         return out
 
@@ -176,8 +192,24 @@ def measure_throughput() -> dict:
         "prompt_tokens_per_step": round(sum(p for p, _ in mix) / n, 1),
         "decode_rows_per_step": round(sum(d for _, d in mix) / n, 1),
         "steps_with_prompt_tokens": sum(1 for p, _ in mix if p),
-        **summarize(prof.events(), 0, step1 - step0),
+        **(host_summary(prof, walls) if host else summarize(prof.events(), 0, step1 - step0)),
     }
+
+
+def host_summary(prof: cProfile.Profile, walls: list[float]) -> dict:
+    """The functions with the most cumulative and own time per profiled step."""
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    n = max(len(walls), 1)
+
+    def rows(index: int) -> list[dict]:
+        top = sorted(stats.items(), key=lambda kv: -kv[1][index])[:40]
+        return [{"name": f"{os.path.relpath(f) if f.startswith('/') else f}:{line}({fn})",
+                 "calls": round(v[1] / n, 2), "tottime_ms": round(v[2] * 1e3 / n, 3),
+                 "cumtime_ms": round(v[3] * 1e3 / n, 3)} for (f, line, fn), v in top]
+
+    return {"device": torch.cuda.get_device_name(), "steps": len(walls),
+            "profiled_wall_ms_per_step": round(sum(walls) * 1e3 / n, 3),
+            "by_cumtime": rows(3), "by_tottime": rows(2)}
 
 
 results = [measure_throughput()] if THROUGHPUT else [measure(int(b)) for b in workload.split(",")]
