@@ -124,9 +124,9 @@ def pack(
                                  p.top_k if 0 < p.top_k < vocab else 0)
         per_row.append(f)
     if n:
-        values = np.array(per_row, dtype=np.float64)
-        rowf[:, :UNIFORM] = values[:, :UNIFORM]
-        rowi[:, TOP_K] = values[:, UNIFORM]
+        values = np.array(per_row, dtype=np.float64)  # [n, 7]: columns TEMPERATURE..PRESENCE, top_k
+        rowf[:, :UNIFORM] = values[:, :-1]
+        rowi[:, TOP_K] = values[:, -1]
     if uniforms:
         rowf[list(uniforms), UNIFORM] = list(uniforms.values())
     if any(r.params.logit_bias or r.params.needs_token_history or r.output_index < r.params.min_tokens
