@@ -83,7 +83,7 @@ opt fp8_timeline 120 env TIMELINE_ENGINE='{"quantization": "fp8"}' python3 docs/
 opt awq_timeline 120 python3 docs/benchmarks/decode_timeline.py $AWQ 1 "$RES/awq_timeline.json"
 # Where a throughput step's device time goes (run only when named): FP8 weights on 1,000 x
 # 1,024/128 (steps 140-300: prompt chunks mixed with decodes), and FP8 weights + FP8 KV on
-# 500 x 1,000/1,000 at 512 sequences (steps 400-460: ~500 decode rows, ~1,450 tokens of context).
+# 500 x 1,000/1,000 at 512 sequences (steps 400-460: ~500 decode rows, ~1,400 tokens of context).
 opt fp8_thr_timeline 200 env TIMELINE_STEPS=140,300 TIMELINE_ENGINE='{"quantization": "fp8"}' \
   python3 docs/benchmarks/decode_timeline.py $FP8 thr:1000:1024:128 "$RES/fp8_thr_timeline.json"
 opt fp8kv_thr_timeline 240 env TIMELINE_STEPS=400,460 \

@@ -29,11 +29,11 @@ the same steps: the functions with the most time per step (cProfile slows the ho
 compare the shares between versions, not the wall time)."""
 import collections
 import cProfile
-import pstats
-import time
 import json
 import os
+import pstats
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
