@@ -289,7 +289,7 @@ class BlockManager:
         table already covers ``num_tokens``.
         """
         table = self._tables[seq_id]
-        end = -(-num_tokens // self.block_size)
+        end = blocks_for(num_tokens, self.block_size)
         shared = 0
         for b in table[num_computed // self.block_size : end]:  # one block in a decode step
             if self._ref[b] > 1:

@@ -337,9 +337,8 @@ class Scheduler:
         deltas = [RequestDelta(rid, finished=True, abort_reason=self._aborted.pop(rid, "aborted"))
                   for rid in sched.aborted]
         touched: dict[str, _Touched] = {}
-        running = self._running
         for s in sched.scheduled:
-            seq = running.get(s.seq_id) or self._live(s.seq_id)
+            seq = self._live(s.seq_id)
             if seq is None:  # finished or aborted since this step was scheduled
                 continue
             if s.sample:
@@ -712,10 +711,7 @@ class Scheduler:
         table = self.bm.block_table(seq.seq_id)
         num_outputs = len(seq.output_token_ids)
         sample = end == len(seq.prompt_token_ids) + num_outputs + pending
-        if params.prompt_logprobs is not None or params.needs_token_history:
-            prompt_ids, output_ids = self._history(seq, sample)
-        else:  # what _history gives such a sequence, with or without the penalty state
-            prompt_ids = output_ids = ()
+        prompt_ids, output_ids = self._history(seq, sample)
         # Positional: a frozen dataclass's keyword construction costs ~1 us more per entry
         # (see ScheduledSequence for the fields).
         step.entries.append(ScheduledSequence(
@@ -729,6 +725,8 @@ class Scheduler:
     def _history(self, seq: Sequence, sample: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (prompt ids, output ids) an entry of ``seq`` carries this step."""
         params = seq.params
+        if params.prompt_logprobs is None and not params.needs_token_history:
+            return (), ()  # the common row, with or without the penalty state
         if not self.penalty_state:
             history = params.needs_token_history or params.prompt_logprobs is not None
             return (seq.prompt_token_ids, tuple(seq.output_token_ids)) if history else ((), ())

@@ -86,13 +86,11 @@ opt awq_timeline 120 python3 docs/benchmarks/decode_timeline.py $AWQ 1 "$RES/awq
 # 500 x 1,000/1,000 at 512 sequences (steps 400-460: ~500 decode rows, ~1,400 tokens of context).
 opt fp8_thr_timeline 200 env TIMELINE_STEPS=140,300 TIMELINE_ENGINE='{"quantization": "fp8"}' \
   python3 docs/benchmarks/decode_timeline.py $FP8 thr:1000:1024:128 "$RES/fp8_thr_timeline.json"
-opt fp8kv_thr_timeline 240 env TIMELINE_STEPS=400,460 \
-  TIMELINE_ENGINE='{"quantization": "fp8", "kv_cache_dtype": "fp8"}' \
-  python3 docs/benchmarks/decode_timeline.py $FP8 thr:500:1000:1000:512 "$RES/fp8kv_thr_timeline.json"
+FP8KV_TIMELINE=(env TIMELINE_STEPS=400,460 TIMELINE_ENGINE='{"quantization": "fp8", "kv_cache_dtype": "fp8"}'
+  python3 docs/benchmarks/decode_timeline.py $FP8 thr:500:1000:1000:512)
+opt fp8kv_thr_timeline 240 "${FP8KV_TIMELINE[@]}" "$RES/fp8kv_thr_timeline.json"
 # The same steps' host time by function (cProfile; run only when named).
-opt fp8kv_thr_host 240 env TIMELINE_STEPS=400,460 TIMELINE_HOST_PROFILE=1 \
-  TIMELINE_ENGINE='{"quantization": "fp8", "kv_cache_dtype": "fp8"}' \
-  python3 docs/benchmarks/decode_timeline.py $FP8 thr:500:1000:1000:512 "$RES/fp8kv_thr_host.json"
+opt fp8kv_thr_host 240 env TIMELINE_HOST_PROFILE=1 "${FP8KV_TIMELINE[@]}" "$RES/fp8kv_thr_host.json"
 run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 1000 \
   --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1024_128.json"
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
