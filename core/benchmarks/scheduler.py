@@ -4,7 +4,9 @@ sequences decoding.
     python -m core.benchmarks.scheduler [--seqs 256] [--prompt-len 1000] [--output-len 400]
 
 No model runs: after each step every sampled sequence gets a random token through
-``Scheduler.update`` (as after a real step), and finishes at ``--output-len`` tokens. Prefix caching is on
+``Scheduler.update`` (as after a real step), and finishes at ``--output-len`` tokens. The
+calls come in the engine's asynchronous order (step N+1 is scheduled before the update with
+step N, so decode rows carry a placeholder token), or with ``--sync`` in the synchronous one. Prefix caching is on
 (the engine default). Prints the median and p90 time of one ``schedule()`` and one
 ``update()`` call over the steps after the first 20 (the prefills).
 """
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=400)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--sync", action="store_true", help="update with each step before the next is scheduled")
     args = ap.parse_args(argv)
 
     max_len = args.prompt_len + args.output_len
@@ -44,22 +47,33 @@ def main(argv: list[str] | None = None) -> None:
         prompt = tuple(rng.randrange(32000) for _ in range(args.prompt_len))
         scheduler.add_request(Request(f"r{i}", prompt, params))
     times, update_times = [], []
+    in_flight = None
     for _ in range(args.steps):
+        if args.sync and in_flight is not None:
+            update_times.append(_update(scheduler, in_flight, rng))
+            in_flight = None
         t0 = time.perf_counter()
         out = scheduler.schedule()
         times.append(time.perf_counter() - t0)
-        sampled = {e.seq_id: SampledToken(rng.randrange(32000), 0.0, None) for e in out.scheduled if e.sample}
-        result = ModelRunnerOutput(sampled, {})
-        t0 = time.perf_counter()
-        scheduler.update(out, result)
-        update_times.append(time.perf_counter() - t0)
+        if in_flight is not None:
+            update_times.append(_update(scheduler, in_flight, rng))
+        in_flight = out
     parts = []
     for name, samples in (("schedule()", times), ("update()", update_times)):
         steady = sorted(samples[20:])
         parts.append(f"{name} median {steady[len(steady) // 2] * 1e3:.2f} ms, "
                      f"p90 {steady[int(len(steady) * 0.9)] * 1e3:.2f} ms")
-    print(f"{args.seqs} sequences, prompts of {args.prompt_len}: {'; '.join(parts)} over "
-          f"{len(times) - 20} steps")
+    print(f"{args.seqs} sequences, prompts of {args.prompt_len}, {'sync' if args.sync else 'async'}: "
+          f"{'; '.join(parts)} over {len(times) - 20} steps")
+
+
+def _update(scheduler: Scheduler, out, rng: random.Random) -> float:
+    """Seconds of ``scheduler.update`` with a random token for each sampled row of ``out``."""
+    sampled = {e.seq_id: SampledToken(rng.randrange(32000), 0.0, None) for e in out.scheduled if e.sample}
+    result = ModelRunnerOutput(sampled, {})
+    t0 = time.perf_counter()
+    scheduler.update(out, result)
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
