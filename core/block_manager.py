@@ -281,6 +281,14 @@ class BlockManager:
             self.prefix_cache_hits += cached
         return cached
 
+    def fits_in_own_block(self, seq_id: int, pos: int) -> bool:
+        """``num_blocks_to_append(seq_id, pos, pos + 1) == 0`` (a decode step's question),
+        without the general case's slice: position ``pos`` falls in a block the table
+        already has and no other sequence shares."""
+        table = self._tables[seq_id]
+        i = pos // self.block_size
+        return i < len(table) and self._ref[table[i]] <= 1
+
     def num_blocks_to_append(self, seq_id: int, num_computed: int, num_tokens: int) -> int:
         """Free blocks :meth:`append_slots` would consume (new blocks + copies).
 

@@ -13,13 +13,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from core.outputs import Logprob
 
 
-@dataclass(frozen=True)
-class SampledToken:
+class SampledToken(msgspec.Struct, frozen=True, gc=False):
+    """One sampled token of a step (a ``msgspec.Struct``: a step builds one per sampled row,
+    and a frozen dataclass costs ~9x as much to build)."""
+
     token_id: int
     logprob: float
     top_logprobs: dict[int, Logprob] | None

@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 
+import msgspec
 import torch
 
 import core
@@ -91,8 +92,7 @@ def mixed_schedule(chunk: int, decodes: int, context: int, block_size: int, para
     used = len(first.block_table)
     dec = decode_schedule(decodes, context, block_size, params, vocab).scheduled
     dec = tuple(
-        dataclasses.replace(s, seq_id=1 + s.seq_id,
-                            block_table=tuple(b + used for b in s.block_table))
+        msgspec.structs.replace(s, seq_id=1 + s.seq_id, block_table=tuple(b + used for b in s.block_table))
         for s in dec
     )
     return SchedulerOutput(scheduled=(first, *dec), num_prefills=1,
@@ -150,7 +150,7 @@ def decode_row(engine, batch: int, ns, params, greedy) -> dict:
     graphs = runner.graphs
     sched = decode_schedule(batch, ns.context, runner.block_size, params, engine.vocab_size)
     gsched = dataclasses.replace(sched, scheduled=tuple(
-        dataclasses.replace(s, params=greedy) for s in sched.scheduled))
+        msgspec.structs.replace(s, params=greedy) for s in sched.scheduled))
     ids, pos, md = runner.prepare_inputs(sched)
     logits = torch.randn(batch, engine.vocab_size, device=ids.device)
     row = {"batch": batch, "context": ns.context}

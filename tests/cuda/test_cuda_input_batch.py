@@ -6,8 +6,7 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -q tests/cuda/test_cuda
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
@@ -49,8 +48,8 @@ def test_a_step_does_not_wait_for_the_device():
         for i, s in enumerate(last):
             pos = s.start_pos + len(s.token_ids)
             extra = (10_000 + i,) if pos + 1 > len(s.block_table) * BS else ()
-            nxt.append(dataclasses.replace(s, token_ids=(PLACEHOLDER_TOKEN,), start_pos=pos,
-                                           block_table=s.block_table + extra))
+            nxt.append(msgspec.structs.replace(s, token_ids=(PLACEHOLDER_TOKEN,), start_pos=pos,
+                                               block_table=s.block_table + extra))
         step = batch.prepare(nxt, 0)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -14,9 +14,9 @@ source built for the CPU (tests/unit/test_sampler_penalty_state.py).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
+import msgspec
 import pytest
 import torch
 
@@ -38,7 +38,7 @@ def kernel():
 
 
 def _ids(rows):
-    return [dataclasses.replace(r, seq_id=i) for i, r in enumerate(rows)]
+    return [msgspec.structs.replace(r, seq_id=i) for i, r in enumerate(rows)]
 
 
 def test_state_path_equals_the_edit_list_path_on_mixed_batches() -> None:
@@ -67,10 +67,11 @@ def test_decode_steps_at_batch_256_and_llama3_vocab(temperature: float, top_k: i
     for step in range(5):
         x = make_logits(256, 128256, "peaked", seed=step).cuda()
         want = a(x, rows)
-        bare = rows if step == 0 else [dataclasses.replace(r, prompt_token_ids=(), output_token_ids=())
+        bare = rows if step == 0 else [msgspec.structs.replace(r, prompt_token_ids=(), output_token_ids=())
                                        for r in rows]
         assert b(x, bare) == want, step
-        rows = [dataclasses.replace(r, output_token_ids=(*r.output_token_ids, t), output_index=r.output_index + 1)
+        rows = [msgspec.structs.replace(r, output_token_ids=(*r.output_token_ids, t),
+                                        output_index=r.output_index + 1)
                 for r, t in zip(rows, want.token_ids)]
 
 

@@ -192,6 +192,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 got = store[table[pos // BLOCK_SIZE]][pos % BLOCK_SIZE]
                 assert got == toks[pos], f"seq {seq} reads {got} at {pos}, expected {toks[pos]}"
 
+    @invariant()
+    def the_decode_shortcut_agrees_with_the_general_count(self) -> None:
+        # The scheduler asks fits_in_own_block for a one-token step; it must say what
+        # num_blocks_to_append == 0 says, around the computed end (shared, own, absent blocks).
+        for seq in self._device_seqs():
+            end = self.computed[seq]
+            for pos in range(max(0, end - BLOCK_SIZE), end + BLOCK_SIZE + 1):
+                want = self.bm.num_blocks_to_append(seq, pos, pos + 1) == 0
+                assert self.bm.fits_in_own_block(seq, pos) == want, (seq, pos, self.bm.block_table(seq))
+
     def _host_table(self, seq: int) -> list[tuple[int, int]]:
         # The host table is private; a swapped sequence exposes it only through swap_in,
         # so read the bookkeeping directly (test-only).

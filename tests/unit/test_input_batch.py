@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -132,8 +133,8 @@ def test_freed_rows_are_zeroed_before_reuse(cls):
     long = ScheduledSequence(seq_id=1, request_id="a", token_ids=(1,) * 20, start_pos=0,
                              block_table=(5, 6, 7, 8, 9), sample=True, params=PARAMS, output_index=0)
     batch.prepare([long], 1)
-    short = dataclasses.replace(long, seq_id=2, token_ids=(1,), block_table=(3,))
-    other = dataclasses.replace(long, seq_id=3, token_ids=(1,) * 9, block_table=(4, 10, 11))
+    short = msgspec.structs.replace(long, seq_id=2, token_ids=(1,), block_table=(3,))
+    other = msgspec.structs.replace(long, seq_id=3, token_ids=(1,) * 9, block_table=(4, 10, 11))
     step = batch.prepare([other, short], 1)
     assert step.metadata.block_tables.tolist() == [[4, 10, 11], [3, 0, 0]]
     assert np.count_nonzero(batch._tables) == 4  # seq 1's row was cleared on the host too
@@ -156,8 +157,8 @@ def test_a_placeholder_is_refused_in_a_chunk_or_a_preempted_row_and_names_that_r
                               sample=True, params=PARAMS, output_index=0) for i in range(3)]
     step = batch.prepare(rows, 0)
     batch.record_sampled(step.rows, torch.tensor([11, 12, 13]))
-    held = [dataclasses.replace(r, token_ids=(PLACEHOLDER_TOKEN,), start_pos=4) for r in rows]
-    chunk = dataclasses.replace(held[1], token_ids=(9, PLACEHOLDER_TOKEN), start_pos=4)
+    held = [msgspec.structs.replace(r, token_ids=(PLACEHOLDER_TOKEN,), start_pos=4) for r in rows]
+    chunk = msgspec.structs.replace(held[1], token_ids=(9, PLACEHOLDER_TOKEN), start_pos=4)
     with pytest.raises(ValueError, match=r"request 'r1'"):
         batch.prepare([chunk, held[0], held[2]], 1)
     with pytest.raises(ValueError, match=r"request 'r2'"):
@@ -181,7 +182,7 @@ def test_placeholder_decode_gives_the_real_token_logits_and_tokens(tiny_llama):
 
     def decode(ids: list[int]) -> SchedulerOutput:
         rows = tuple(
-            dataclasses.replace(s, token_ids=(t,), start_pos=len(s.token_ids), output_index=1)
+            msgspec.structs.replace(s, token_ids=(t,), start_pos=len(s.token_ids), output_index=1)
             for s, t in zip(seqs, ids)
         )
         return SchedulerOutput(rows, 0, 3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -32,7 +33,7 @@ from tests.unit.test_sampler_exact import EOS, _batch, _params
 
 
 def _with_ids(rows):
-    return [dataclasses.replace(r, seq_id=i) for i, r in enumerate(rows)]
+    return [msgspec.structs.replace(r, seq_id=i) for i, r in enumerate(rows)]
 
 
 def test_dense_penalties_equal_the_host_built_ones_bit_for_bit() -> None:
@@ -147,7 +148,7 @@ def _decode_loop(seed: int, steps: int, vocab: int, make_kernel=None) -> Sampler
         # asynchronous scheduling gives), or is left out altogether.
         bare = rng.random() < 0.3
         lagging = [
-            (dataclasses.replace(_row(s, ()), prompt_token_ids=()) if bare else _row(s, tuple(s.output[:-1])))
+            (msgspec.structs.replace(_row(s, ()), prompt_token_ids=()) if bare else _row(s, tuple(s.output[:-1])))
             if s.slot_held and s.output else _row(s, tuple(s.output))
             for s in running
         ]
@@ -217,7 +218,7 @@ def test_a_sequence_joins_only_with_its_whole_history() -> None:
     state = PenaltyState(100, torch.device("cpu"), Staging())
     p = SamplingParams(repetition_penalty=1.2)
     s = _Seq(1, "req-a", p, (4, 5), [6, 7, 8])
-    lagging = dataclasses.replace(_row(s, (6, 7)), output_index=3)
+    lagging = msgspec.structs.replace(_row(s, (6, 7)), output_index=3)
     with pytest.raises(ValueError, match=r"request 'req-a', sequence 1.*2 prompt ids and 2 output ids for output_index 3"):
         state.slots([lagging])
     bad = _Seq(2, "req-b", p, (4, 100), [])

@@ -247,7 +247,7 @@ class FakeEngine:
         assert self.bm.num_free_host_blocks == self.bm.num_host_blocks
         assert stats.kv_cache_usage == 0.0
         # Nothing per sequence outlives it (a server runs for days): the cached sort keys.
-        assert not self.sched._keys, f"sort keys left for sequences {sorted(self.sched._keys)}"
+        assert not self.sched._fixed, f"per-sequence state left for sequences {sorted(self.sched._fixed)}"
 
 
 def shape(out: SchedulerOutput) -> list[tuple[int, int, int, bool]]:

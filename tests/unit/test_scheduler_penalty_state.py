@@ -14,11 +14,11 @@ makes ``slots`` raise, a history sent to a sequence the state holds fails the ch
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import random
 from collections import Counter, defaultdict
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -189,7 +189,7 @@ def _plain(eng: FakeEngine, out: SchedulerOutput) -> tuple:
         seq = eng.seq(sid)
         return seq.request_id, seq.index
 
-    rows = tuple((name(e.seq_id), *dataclasses.astuple(dataclasses.replace(
+    rows = tuple((name(e.seq_id), *msgspec.structs.astuple(msgspec.structs.replace(
         e, seq_id=0, prompt_token_ids=(), output_token_ids=()))) for e in out.scheduled)
     return (rows, out.num_prefills, out.blocks_to_copy, out.blocks_to_swap_in, out.blocks_to_swap_out,
             tuple(name(s) for s in out.preempted), out.aborted)
