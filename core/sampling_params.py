@@ -175,9 +175,23 @@ class SamplingParams:
                     "[-100, 100] per token",
                 )
 
-    @property
+    @functools.cached_property  # read per row per step, like the two below
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @functools.cached_property
+    def changes_logits(self) -> bool:
+        """Whether a logits processor may touch a row with these params: penalties, a
+        logit bias, or ``min_tokens`` (while the row is below it)."""
+        return self.needs_token_history or bool(self.logit_bias) or self.min_tokens > 0
+
+    @functools.cached_property
+    def kernel_fields(self) -> tuple[float, float, float, float, float, float, int]:
+        """What a fused sampling kernel reads of these params, in the order of
+        ``core.sampler.kernel``'s packed row: temperature (0.0 when greedy), top_p, min_p,
+        the repetition, frequency and presence penalties, and top_k as given."""
+        return (0.0 if self.greedy else self.temperature, self.top_p, self.min_p, self.repetition_penalty,
+                self.frequency_penalty, self.presence_penalty, self.top_k)
 
     @functools.cached_property  # read several times per row per step; fields never change
     def needs_token_history(self) -> bool:

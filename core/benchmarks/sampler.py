@@ -4,6 +4,7 @@
                                       [--top-p-candidates N] [--threads N]
     python -m core.benchmarks.sampler --grid [--platform cuda] [--batches 1,64,256]
                                       [--repeats 20] [--output-json F]
+    python -m core.benchmarks.sampler --pack [--batch 500] [--repeats 200]
 
 Each parameter mix runs on the same seeded logits. Two logit shapes are used: ``peaked``
 (Gaussian bulk plus a few dominant tokens per row, like an LM's next-token logits; nuclei
@@ -23,6 +24,10 @@ as in a decode loop) against the host-built history ("torch", "kernel": ``np.uni
 each row's 512 prompt + 128 output ids every call). Per cell: ``wall_ms``, one whole call as the engine makes it (host packing, launches,
 the read-back); ``device_ms``, the device time of ``Sampler.draw`` alone, between two events
 queued behind ~50 ms of matmuls so that the host's launch time is not counted.
+
+``--pack`` times the host half of a fused-kernel call alone: ``core.sampler.kernel.pack``
+over the mixes' rows (one params object per row, as requests bring their own), which the
+engine's step loop runs on the host every step while the device works.
 """
 
 from __future__ import annotations
@@ -225,6 +230,24 @@ def device_grid(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def pack_times(args: argparse.Namespace) -> list[dict]:
+    """Median wall time of ``pack`` per mix, batch ``args.batch``."""
+    from core.sampler.kernel import pack
+
+    print(f"pack, batch {args.batch} x vocab {args.vocab}, median of {args.repeats}; "
+          f"load average {os.getloadavg()}")
+    results = []
+    for name, make in MIXES.items():
+        if args.mixes and not any(m in name for m in args.mixes.split(",")):
+            continue
+        rows = make_rows(args.batch, args.vocab, make)
+        uniforms = {i: 0.5 for i, r in enumerate(rows) if not r.params.greedy}
+        wall, _ = time_fn(lambda r=rows, u=uniforms: pack(r, args.vocab, frozenset({0}), u), args.repeats)
+        results.append({"mix": name, "pack_ms": wall * 1e3})
+        print(f"{name:50s} {wall * 1e3:9.3f} ms")
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -241,10 +264,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="accelerator grid: torch pipeline vs the platform's fused kernel")
     ap.add_argument("--platform", default=None, help="grid: platform name (default: selected)")
     ap.add_argument("--batches", default="1,64,256", help="grid: comma-separated batch sizes")
+    ap.add_argument("--pack", action="store_true", help="time the host packing of the fused kernel's inputs only")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pack:
+        results = pack_times(args)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     if args.grid:
         print(f"torch {torch.__version__}, vocab {args.vocab}, median of {args.repeats}; "
               f"load average {os.getloadavg()}")

@@ -111,29 +111,24 @@ def pack(
     rowf = np.zeros((n, ROW_F), dtype=np.float64)
     rowi = np.zeros((n, ROW_I), dtype=np.int32)
     rowi[:, PENALTY_ROW] = -1 if slots is None else slots
-    # One tuple per distinct params object (a batch's rows often share one), one array
-    # conversion for all rows: a per-row numpy assignment costs ~1 us a row.
-    fields: dict[int, tuple] = {}
-    per_row = []
-    for row in rows:
-        p = row.params
-        f = fields.get(id(p))
-        if f is None:
-            f = fields[id(p)] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
-                                 p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                                 p.top_k if 0 < p.top_k < vocab else 0)
-        per_row.append(f)
     if n:
-        values = np.array(per_row, dtype=np.float64)  # [n, 7]: columns TEMPERATURE..PRESENCE, top_k
+        # One array conversion of every row's cached fields: a per-row numpy assignment
+        # costs ~1 us a row.
+        values = np.array([r.params.kernel_fields for r in rows], dtype=np.float64)  # [n, 7]
         rowf[:, :UNIFORM] = values[:, :-1]
-        rowi[:, TOP_K] = values[:, -1]
+        top_k = values[:, -1]
+        rowi[:, TOP_K] = np.where((top_k > 0) & (top_k < vocab), top_k, 0)
     if uniforms:
         rowf[list(uniforms), UNIFORM] = list(uniforms.values())
-    if any(r.params.logit_bias or r.params.needs_token_history or r.output_index < r.params.min_tokens
-           for r in rows):
-        rowf[:, PROCESSED] = 1.0
-    edits, begin, end = edit_list(rows, vocab, eos, slots)
-    rowi[:, EDIT_BEGIN], rowi[:, EDIT_END] = begin, end
+    # Only rows whose params change logits can be processed or carry edits (most carry none).
+    if any(r.params.changes_logits for r in rows):
+        if any(r.params.logit_bias or r.params.needs_token_history or r.output_index < r.params.min_tokens
+               for r in rows):
+            rowf[:, PROCESSED] = 1.0
+        edits, begin, end = edit_list(rows, vocab, eos, slots)
+        rowi[:, EDIT_BEGIN], rowi[:, EDIT_END] = begin, end
+    else:
+        edits = np.zeros((0, EDIT_FIELDS), dtype=np.int32)
     host = (torch.from_numpy(rowf), torch.from_numpy(rowi), torch.from_numpy(edits))
     if slots is None or state is None:
         return KernelInputs(*host)
