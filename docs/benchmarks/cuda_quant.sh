@@ -91,6 +91,14 @@ FP8KV_TIMELINE=(env TIMELINE_STEPS=400,460 TIMELINE_ENGINE='{"quantization": "fp
 opt fp8kv_thr_timeline 240 "${FP8KV_TIMELINE[@]}" "$RES/fp8kv_thr_timeline.json"
 # The same steps' host time by function (cProfile; run only when named).
 opt fp8kv_thr_host 240 env TIMELINE_HOST_PROFILE=1 "${FP8KV_TIMELINE[@]}" "$RES/fp8kv_thr_host.json"
+# A host-bound throughput run (run only when named): FP8 weights + FP8 KV, 500 x 128/1,000 at
+# 512 sequences. Short contexts keep the ~500-row decode step short on the device, so the host's
+# work per row sets the pace; its timeline (steps 400-460) shows the split.
+opt fp8kv_128_1000 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --kv-cache-dtype fp8 \
+  --max-num-seqs 512 --num-prompts 500 --input-len 128 --output-len 1000 --max-num-batched-tokens 8192 \
+  --output-json "$RES/fp8kv_128_1000.json"
+opt fp8kv_128_timeline 200 env TIMELINE_STEPS=400,460 TIMELINE_ENGINE='{"quantization": "fp8", "kv_cache_dtype": "fp8"}' \
+  python3 docs/benchmarks/decode_timeline.py $FP8 thr:500:128:1000:512 "$RES/fp8kv_128_timeline.json"
 run fp8_1024_128 150 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 1000 \
   --input-len 1024 --output-len 128 --max-num-batched-tokens 8192 --output-json "$RES/fp8_1024_128.json"
 run fp8_1000_1000 200 python3 -m core.entrypoints.cli bench throughput $ENGINE_FP8 --num-prompts 500 \
@@ -111,11 +119,11 @@ for name in ("fp8_latency", "fp8_latency_b2", "awq_latency", "awq_latency_b8"):
     if r:
         print(f"{name}: TPOT {r['tpot_ms_median']} ms (min {r['tpot_ms_min']}), TTFT {r['ttft_ms_median']} ms, "
               f"engine start {r['startup_s']} s")
-for name in ("fp8_1024_128", "fp8_1000_1000", "fp8kv_1000_1000"):
+for name in ("fp8_1024_128", "fp8_1000_1000", "fp8kv_1000_1000", "fp8kv_128_1000"):
     r = load(name)
     if r:
         print(f"{name}: {r['requests_per_s']} req/s, {r['output_tokens_per_s']} out tok/s, {r['elapsed_s']} s")
-for name in ("fp8_timeline", "awq_timeline", "fp8_thr_timeline", "fp8kv_thr_timeline"):
+for name in ("fp8_timeline", "awq_timeline", "fp8_thr_timeline", "fp8kv_thr_timeline", "fp8kv_128_timeline"):
     r = load(name)
     if r:
         r = r[0]
