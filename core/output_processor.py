@@ -49,7 +49,10 @@ class _ReqState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        for s in self.samples:  # a loop, not all(<generator>): read per delta per step
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 @dataclass
@@ -151,6 +154,8 @@ class OutputProcessor:
         self.counters.generation_tokens += 1
         if sd.top_logprobs is not None:
             s.logprobs.append(sd.top_logprobs)
+        if s.detok is None and s.stops is None and sd.finish_reason is None:
+            return False  # no text per token (final-only or detokenize off) and still running
         text_before = s.text
         delta = s.detok.add_tokens([sd.token_id]) if s.detok else ""
         s.text += delta

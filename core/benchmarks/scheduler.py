@@ -6,7 +6,9 @@ sequences decoding.
 No model runs: after each step every sampled sequence gets a random token through
 ``Scheduler.update`` (as after a real step), and finishes at ``--output-len`` tokens. The
 calls come in the engine's asynchronous order (step N+1 is scheduled before the update with
-step N, so decode rows carry a placeholder token), or with ``--sync`` in the synchronous one. Prefix caching is on
+step N, so decode rows carry a placeholder token), or with ``--sync`` in the synchronous one.
+Each update's deltas then go through the front end's ``OutputProcessor.process`` (final-only
+outputs, no tokenizer: what the offline ``LLM`` does each step), timed as a third column. Prefix caching is on
 (the engine default). Prints the median and p90 time of one ``schedule()`` and one
 ``update()`` call over the steps after the first 20 (the prefills).
 """
@@ -19,7 +21,9 @@ import time
 
 from core.block_manager import BlockManager
 from core.config import SchedulerConfig
+from core.engine_core.types import EngineRequest
 from core.model_runner import ModelRunnerOutput, SampledToken
+from core.output_processor import OutputProcessor
 from core.request import Request
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler
@@ -43,37 +47,41 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = Scheduler(config, BlockManager(blocks, args.block_size, True, 0))
     rng = random.Random(0)
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+    outputs = OutputProcessor(tokenizer=None)
     for i in range(args.seqs):
         prompt = tuple(rng.randrange(32000) for _ in range(args.prompt_len))
         scheduler.add_request(Request(f"r{i}", prompt, params))
-    times, update_times = [], []
+        outputs.add_request(EngineRequest(f"r{i}", prompt, params), None, final_only=True)
+    times, update_times, process_times = [], [], []
+
+    def update(out) -> None:
+        sampled = {e.seq_id: SampledToken(rng.randrange(32000), 0.0, None) for e in out.scheduled if e.sample}
+        result = ModelRunnerOutput(sampled, {})
+        t0 = time.perf_counter()
+        deltas = scheduler.update(out, result)
+        t1 = time.perf_counter()
+        outputs.process(deltas)
+        update_times.append(t1 - t0)
+        process_times.append(time.perf_counter() - t1)
+
     in_flight = None
     for _ in range(args.steps):
         if args.sync and in_flight is not None:
-            update_times.append(_update(scheduler, in_flight, rng))
+            update(in_flight)
             in_flight = None
         t0 = time.perf_counter()
         out = scheduler.schedule()
         times.append(time.perf_counter() - t0)
         if in_flight is not None:
-            update_times.append(_update(scheduler, in_flight, rng))
+            update(in_flight)
         in_flight = out
     parts = []
-    for name, samples in (("schedule()", times), ("update()", update_times)):
+    for name, samples in (("schedule()", times), ("update()", update_times), ("process()", process_times)):
         steady = sorted(samples[20:])
         parts.append(f"{name} median {steady[len(steady) // 2] * 1e3:.2f} ms, "
                      f"p90 {steady[int(len(steady) * 0.9)] * 1e3:.2f} ms")
     print(f"{args.seqs} sequences, prompts of {args.prompt_len}, {'sync' if args.sync else 'async'}: "
           f"{'; '.join(parts)} over {len(times) - 20} steps")
-
-
-def _update(scheduler: Scheduler, out, rng: random.Random) -> float:
-    """Seconds of ``scheduler.update`` with a random token for each sampled row of ``out``."""
-    sampled = {e.seq_id: SampledToken(rng.randrange(32000), 0.0, None) for e in out.scheduled if e.sample}
-    result = ModelRunnerOutput(sampled, {})
-    t0 = time.perf_counter()
-    scheduler.update(out, result)
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
