@@ -311,12 +311,17 @@ class ModelRunner:
         # Row offsets from the host-side schedule: reading md.query_start_loc back would
         # make the host wait for the whole forward before it can queue the LM head.
         qsl = [0, *itertools.accumulate(len(s.token_ids) for s in sched.scheduled)]
-        rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
-        prompt_lp = self._prompt_logprobs(sched, hidden, qsl)
-        pooled = self._pool(sched, hidden, qsl)
+        rows, scheduled, special = [], [], []
+        for i, s in enumerate(sched.scheduled):  # one pass: this runs per row per step
+            if s.sample:
+                rows.append(i)
+                scheduled.append(s)
+            if s.params.prompt_logprobs is not None or s.params.pooling is not None:
+                special.append(i)
+        prompt_lp = self._prompt_logprobs(sched, hidden, qsl, special)
+        pooled = self._pool(sched, hidden, qsl, special)
         if not rows:
             return DoneStep(ModelRunnerOutput({}, prompt_lp, pooled))
-        scheduled = [sched.scheduled[i] for i in rows]
         # Static-shape devices: the LM head and sampler run on a bucketed number of rows.
         size = self.batch.shaper.pad_sampled(len(rows)) if self.batch.shaper is not None else len(rows)
         padded = pad_sampled_rows(scheduled, [qsl[i + 1] - 1 for i in rows], [batch_rows[i] for i in rows], size)
@@ -342,11 +347,15 @@ class ModelRunner:
                         self.platform.synchronize)
         return PendingStep([s.seq_id for s in scheduled], copy, prompt_lp, pooled)
 
-    def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]) -> dict[int, tuple[float, ...]]:
-        """Pooled vectors of the embedding requests whose prompt ends this step (see core/pooling.py)."""
+    def _pool(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int], candidates: list[int]
+    ) -> dict[int, tuple[float, ...]]:
+        """Pooled vectors of the embedding requests whose prompt ends this step (see
+        core/pooling.py); ``candidates``: the indices of the rows that may be one."""
         self.pooling.begin_step()
         result: dict[int, tuple[float, ...]] = {}
-        for i, s in enumerate(sched.scheduled):
+        for i in candidates:
+            s = sched.scheduled[i]
             if s.params.pooling is None:
                 continue
             vec = self.pooling.add_chunk(s.seq_id, s.start_pos, hidden[qsl[i]:qsl[i + 1]], s.params.pooling, s.sample)
@@ -355,10 +364,13 @@ class ModelRunner:
         return result
 
     def _prompt_logprobs(
-        self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int]
+        self, sched: SchedulerOutput, hidden: torch.Tensor, qsl: list[int], candidates: list[int]
     ) -> dict[int, list[dict[int, Logprob]]]:
+        """Prompt logprobs of the rows that asked for them (``candidates``: the indices of
+        the rows that may have)."""
         result: dict[int, list[dict[int, Logprob]]] = {}
-        for i, s in enumerate(sched.scheduled):
+        for i in candidates:
+            s = sched.scheduled[i]
             if s.params.prompt_logprobs is None or not s.prompt_token_ids:
                 continue
             nxt = _next_prompt_tokens(s)
