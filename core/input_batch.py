@@ -110,11 +110,11 @@ class PersistentBatch:
         self._last_tokens = last
         self._free.extend(range(new_r - 1, old_r - 1, -1))
 
-    def _assign_rows(self, seqs: Sequence[ScheduledSequence], preempted: Sequence[int]):
-        """Rows of ``seqs`` (in order), which of them are new, and the rows freed."""
-        rows = [self._row_of.get(s.seq_id) for s in seqs]
-        if not preempted and len(self._row_of) == len(seqs) and None not in rows:
-            return rows, [False] * len(rows), []  # the same sequences as last step
+    def _assign_rows(self, seqs: Sequence[ScheduledSequence], preempted: Sequence[int], known: list[int | None]):
+        """Rows of ``seqs`` (in order), which of them are new, and the rows freed.
+        ``known``: each sequence's row before this step (None: it has none)."""
+        if not preempted and len(self._row_of) == len(seqs) and None not in known:
+            return known, [False] * len(known), []  # the same sequences as last step
         keep = {s.seq_id for s in seqs}.difference(preempted)
         released = [r for sid, r in self._row_of.items() if sid not in keep]
         self._row_of = {sid: r for sid, r in self._row_of.items() if sid in keep}
@@ -172,10 +172,11 @@ class PersistentBatch:
         total = int(qsl[-1])
         ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, total)
         placeholders = bool((ids < 0).any())
+        known = [self._row_of.get(s.seq_id) for s in seqs]  # each sequence's row before this step
         if placeholders:  # checked before any row changes, so a refusal leaves no trace
-            self._check_placeholders(seqs, preempted, ids, qsl)
+            self._check_placeholders(seqs, preempted, ids, qsl, known, bool((qlens == 1).all()))
         width = max(len(s.block_table) for s in seqs)
-        rows, fresh, released = self._assign_rows(seqs, preempted)
+        rows, fresh, released = self._assign_rows(seqs, preempted, known)
         clear, written = self._table_changes(seqs, rows, fresh, released, width)
         row_arr = np.asarray(rows, dtype=np.int64)
         self._sampled[row_arr] = False  # until record_sampled says otherwise
@@ -232,11 +233,17 @@ class PersistentBatch:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _check_placeholders(self, seqs, preempted, ids: np.ndarray, qsl: np.ndarray) -> None:
+    def _check_placeholders(
+        self, seqs, preempted, ids: np.ndarray, qsl: np.ndarray, known: list[int | None], one_each: bool
+    ) -> None:
         # Vectorised over the sequences holding a placeholder: in an asynchronous decode
-        # step that is every one of them, each step.
-        idx = np.unique(np.searchsorted(qsl, np.flatnonzero(ids < 0), side="right") - 1)
-        rows = np.fromiter((self._row_of.get(seqs[i].seq_id, -1) for i in idx.tolist()), np.int64, len(idx))
+        # step that is every one of them, each step. ``known``: their rows before this step.
+        held = np.flatnonzero(ids < 0)
+        if one_each:  # one token per sequence (a decode step): token i is sequence i's
+            idx = held
+        else:
+            idx = np.unique(np.searchsorted(qsl, held, side="right") - 1)
+        rows = np.fromiter((-1 if (r := known[i]) is None else r for i in idx.tolist()), np.int64, len(idx))
         ok = (qsl[idx + 1] - qsl[idx] == 1) & (rows >= 0)
         ok &= self._sampled[np.where(rows >= 0, rows, 0)]
         if preempted:
