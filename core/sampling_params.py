@@ -189,9 +189,10 @@ class SamplingParams:
     def kernel_fields(self) -> tuple[float, float, float, float, float, float, int]:
         """What a fused sampling kernel reads of these params, in the order of
         ``core.sampler.kernel``'s packed row: temperature (0.0 when greedy), top_p, min_p,
-        the repetition, frequency and presence penalties, and top_k as given."""
+        the repetition, frequency and presence penalties, and top_k (capped at 2**31 - 1, which
+        is more than any vocabulary, so that it stays exact in the kernel's float64 row)."""
         return (0.0 if self.greedy else self.temperature, self.top_p, self.min_p, self.repetition_penalty,
-                self.frequency_penalty, self.presence_penalty, self.top_k)
+                self.frequency_penalty, self.presence_penalty, min(self.top_k, 2**31 - 1))
 
     @functools.cached_property  # read several times per row per step; fields never change
     def needs_token_history(self) -> bool:

@@ -87,7 +87,8 @@ class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
     sequence, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field)
     cost ~2.5 us against ~0.15 us (docs/benchmarks/scheduler.md). Not tracked by the garbage
     collector: it holds only ints, strings, tuples of ints and the request's parameters,
-    never a reference back. Copy with ``msgspec.structs.replace``."""
+    never a reference back (a plugin must not keep schedule objects in ``params.extra``).
+    Copy with ``msgspec.structs.replace``."""
 
     seq_id: int
     request_id: str
@@ -745,8 +746,7 @@ class Scheduler:
         num_outputs = len(seq.output_token_ids)
         sample = end == len(seq.prompt_token_ids) + num_outputs + pending
         prompt_ids, output_ids = self._history(seq, sample)
-        # Positional: a frozen dataclass's keyword construction costs ~1 us more per entry
-        # (see ScheduledSequence for the fields).
+        # Positional (see ScheduledSequence for the fields): one entry per scheduled row per step.
         step.entries.append(ScheduledSequence(
             seq.seq_id, seq.request_id, _input_ids(seq, start, end), start, table, sample,
             params, num_outputs + pending, prompt_ids, output_ids,

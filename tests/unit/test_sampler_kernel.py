@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from core.sampler import Sampler
-from core.sampler.kernel import edit_list
+from core.sampler.kernel import TOP_K, edit_list, pack
 from core.sampling_params import SamplingParams
 from tests.unit.sampler_kernel_host import HostKernel
 from tests.unit.test_sampler import chi_square, row
@@ -156,6 +156,13 @@ def test_greedy_and_top_k_1_are_the_argmax() -> None:
     for splits in (1, 5):
         out = Sampler(kernel=HostKernel(16, splits=splits))(logits, rows)
         assert out.token_ids == logits.argmax(dim=-1).tolist(), f"{splits} blocks a row"
+
+
+def test_top_k_at_or_beyond_the_vocabulary_is_off_in_the_packed_row() -> None:
+    # top_k >= vocab (even one too large for a float64) means no cut-off: the kernel reads 0.
+    rows = [row(SamplingParams(top_k=k)) for k in (-1, 0, 1, 49, 50, 51, 10**6, 10**400)]
+    inputs = pack(rows, 50, frozenset(), {i: 0.5 for i in range(len(rows))})
+    assert inputs.rowi[:, TOP_K].tolist() == [0, 0, 1, 49, 0, 0, 0, 0]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch_or_the_thread_order() -> None:
