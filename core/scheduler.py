@@ -870,7 +870,9 @@ class Scheduler:
 def _input_ids(seq: Sequence, start: int, end: int) -> tuple[int, ...]:
     """Input ids of positions [start, end): known tokens, then a placeholder for each
     position whose token is still in flight."""
-    known = seq.num_tokens
+    known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
     if end <= known:
         return seq.token_ids_from(start, end)
-    return seq.token_ids_from(min(start, known), known) + (PLACEHOLDER_TOKEN,) * (end - max(start, known))
+    if start >= known:  # an asynchronous decode step: every token is still in flight
+        return (PLACEHOLDER_TOKEN,) * (end - start)
+    return seq.token_ids_from(start, known) + (PLACEHOLDER_TOKEN,) * (end - known)
