@@ -8,9 +8,9 @@ No model runs: after each step every sampled sequence gets a random token throug
 calls come in the engine's asynchronous order (step N+1 is scheduled before the update with
 step N, so decode rows carry a placeholder token), or with ``--sync`` in the synchronous one.
 Each update's deltas then go through the front end's ``OutputProcessor.process`` (final-only
-outputs, no tokenizer: what the offline ``LLM`` does each step), timed as a third column. Prefix caching is on
-(the engine default). Prints the median and p90 time of one ``schedule()`` and one
-``update()`` call over the steps after the first 20 (the prefills).
+outputs, no tokenizer: what the offline ``LLM`` does each step). Prefix caching is on (the
+engine default). Prints the median and p90 time of one ``schedule()``, one ``update()`` and one
+``process()`` call over the steps after the first 20 (the prefills).
 """
 
 from __future__ import annotations
