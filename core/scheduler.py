@@ -414,7 +414,7 @@ class Scheduler:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None
         if ((p.max_tokens is not None and n_out >= p.max_tokens)
-                or len(seq.prompt_token_ids) + n_out >= self.config.max_model_len):
+                or seq.num_tokens >= self.config.max_model_len):
             return SequenceStatus.FINISHED_LENGTH, None
         return None, None
 
@@ -638,7 +638,7 @@ class Scheduler:
         if seq.params.n > 1 and self._unforked(self._requests[seq.request_id]):
             return seq.num_prompt_tokens - 1
         pending = seq.num_pending
-        n = len(seq.prompt_token_ids) + len(seq.output_token_ids) + pending
+        n = seq.num_tokens + pending
         return n - 1 if pending and n >= self._fixed_of(seq).max_len else n
 
     def _remaining(self, seq: Sequence) -> int:
@@ -798,7 +798,7 @@ class Scheduler:
         bm = self.bm
         if not bm.enable_prefix_caching:
             return
-        computed = min(seq.num_computed_tokens, len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        computed = min(seq.num_computed_tokens, seq.num_tokens)
         full = computed // bm.block_size
         if full > bm.num_hashed_blocks(seq.seq_id):
             tokens = seq.token_ids_from(0, full * bm.block_size)
@@ -870,7 +870,7 @@ class Scheduler:
 def _input_ids(seq: Sequence, start: int, end: int) -> tuple[int, ...]:
     """Input ids of positions [start, end): known tokens, then a placeholder for each
     position whose token is still in flight."""
-    known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+    known = seq.num_tokens
     if end <= known:
         return seq.token_ids_from(start, end)
     if start >= known:  # an asynchronous decode step: every token is still in flight
